@@ -1,0 +1,65 @@
+"""Session ids (A1): `{channel}:{chat_id}:{dialog_id}`, each part `[A-Za-z0-9_.-]{1,64}`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from django.utils.translation import gettext as _
+
+from .errors import BadRequest
+
+ID_PART = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+DEFAULT_DIALOG = "default"
+# First-party channels: the chat id is derived from the owning user (A1).
+FIRST_PARTY_CHANNELS = frozenset({"web", "api", "cli"})
+
+
+def validate_part(value: object, *, field: str) -> str:
+    if not isinstance(value, str) or not ID_PART.match(value):
+        raise BadRequest(
+            _("Invalid %(field)s: use 1 to 64 letters, digits, '_', '.' or '-'.") % {"field": field}
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    channel: str
+    chat_id: str
+    dialog_id: str
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.chat_id}:{self.dialog_id}"
+
+    @classmethod
+    def parse(cls, raw: object) -> SessionKey:
+        if not isinstance(raw, str) or raw.count(":") != 2:
+            raise BadRequest(_("Invalid session id: expected channel:chat_id:dialog_id."))
+        channel, chat_id, dialog_id = raw.split(":")
+        return cls.build(channel, chat_id, dialog_id)
+
+    @classmethod
+    def build(cls, channel: object, chat_id: object, dialog_id: object) -> SessionKey:
+        return cls(
+            validate_part(channel, field="channel"),
+            validate_part(chat_id, field="chat_id"),
+            validate_part(dialog_id, field="dialog_id"),
+        )
+
+
+def owner_chat_id(user_id: int, suffix: str | None = None) -> str:
+    """The chat id of a user's first-party chat: `u42`, or `u42.work` with a suffix."""
+    base = f"u{user_id}"
+    if suffix:
+        validate_part(suffix, field="chat_id")
+        return f"{base}.{suffix}"
+    return base
+
+
+def chat_belongs_to(user_id: int, channel: str, chat_id: str) -> bool:
+    """Whether a first-party chat id is the user's own (A1): `u42` or `u42.<anything>`."""
+    if channel not in FIRST_PARTY_CHANNELS:
+        return True
+    base = f"u{user_id}"
+    return chat_id == base or chat_id.startswith(base + ".")

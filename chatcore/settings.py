@@ -1,0 +1,195 @@
+"""Django settings. The environment is read here and nowhere else (STYLE 10).
+
+Embedded mode (default): SQLite in WAL mode, in-memory channel layer, background jobs
+in-process. Scaled mode: `DATABASE_URL` points at PostgreSQL and `REDIS_URL` at Redis, which
+then carries the channel layer and the Celery broker.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("CHAT_VAR_DIR", BASE_DIR / "var"))
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+DEBUG = _env_bool("DJANGO_DEBUG", False)
+# A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "dev-insecure-key-set-DJANGO_SECRET_KEY-in-production")
+ALLOWED_HOSTS = [
+    h.strip()
+    for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
+    if h.strip()
+]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "sessions_app",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.locale.LocaleMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "chatcore.urls"
+ASGI_APPLICATION = "chatcore.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "django.template.context_processors.i18n",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------------
+DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
+if DATABASE_URL:
+    _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL, conn_max_age=0))
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    _db = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(VAR_DIR / "chat.sqlite3")}
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at BEGIN so
+    # two writers queue on busy_timeout instead of failing to upgrade a read lock.
+    _db["OPTIONS"] = {
+        "transaction_mode": "IMMEDIATE",
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    _db["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+DATABASES = {"default": _db}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Channels and Celery --------------------------------------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+SCALED = bool(REDIS_URL)
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+CELERY_BROKER_URL = REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TIME_LIMIT = 120
+CELERY_TASK_SOFT_TIME_LIMIT = 90
+CELERY_TASK_DEFAULT_QUEUE = "chat"
+CELERY_BEAT_SCHEDULE: dict[str, Any] = {}
+
+# --- Auth, i18n, static ---------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+LANGUAGE_CODE = "en"
+LANGUAGES = [("en", "English"), ("zh-hans", "简体中文")]
+LOCALE_PATHS = [BASE_DIR / "locale"]
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+# --- The conversation engine (SPEC A8, F6) --------------------------------------------------
+CHAT = {
+    "SESSION_TTL_SECONDS": _env_int("CHAT_SESSION_TTL_SECONDS", 24 * 3600),
+    "CLEANUP_INTERVAL_SECONDS": _env_int("CHAT_CLEANUP_INTERVAL_SECONDS", 60 * 60),
+    "AUTO_TITLE_AFTER": _env_int("CHAT_AUTO_TITLE_AFTER", 10),
+    "STORAGE_RETRY_DELAYS_MS": [100, 200, 300],
+    "QUEUE_CAPACITY": _env_int("CHAT_QUEUE_CAPACITY", 32),
+    "GLOBAL_ADMISSION_BOUND": _env_int("CHAT_GLOBAL_ADMISSION_BOUND", 10_000),
+    "RETENTION_DAYS": _env_int("CHAT_RETENTION_DAYS", 30),
+    "CONTENT_LIMIT": _env_int("CHAT_CONTENT_LIMIT", 65_536),
+    "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
+    "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
+    "SNAPSHOT_FPS": _env_int("CHAT_SNAPSHOT_FPS", 20),
+    "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
+    "CHECKPOINT_SECONDS": 1.0,
+    "MAX_STEPS": _env_int("CHAT_MAX_STEPS", 8),
+    "SKILLS_DIR": os.environ.get("CHAT_SKILLS_DIR", str(BASE_DIR / "skills")),
+    "EXTRA_TOOLS": [t for t in os.environ.get("CHAT_EXTRA_TOOLS", "").split(",") if t],
+    "TOOL_RESULT_TRIM_CHARS": 4000,
+    "COMPACTION_BUDGET_RATIO": 0.8,
+    "SHUTDOWN_GRACE_SECONDS": 10.0,
+}
+
+LLM = {
+    "BASE_URL": os.environ.get("LLM_BASE_URL", "").strip().rstrip("/"),
+    "API_KEY": os.environ.get("LLM_API_KEY", ""),
+    "MODEL": os.environ.get("LLM_MODEL", "gpt-4o-mini"),
+    "CONTEXT_WINDOW": _env_int("LLM_CONTEXT_WINDOW", 32768),
+    "CONNECT_TIMEOUT": 10.0,
+    "READ_TIMEOUT": 120.0,
+    "MAX_RETRIES": 3,
+    "RETRY_BASE_DELAY": 0.5,
+    "POOL_SIZE": 20,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "structured": {"()": "chatcore.logging.StructuredFormatter"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "structured"},
+    },
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+    },
+}

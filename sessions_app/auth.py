@@ -1,0 +1,40 @@
+"""Bearer-token authentication shared by the REST API and the WebSocket (F2)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.utils import timezone
+
+from .models import ApiToken
+
+
+def hash_token(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def user_for_token(raw: str | None) -> AbstractBaseUser | None:
+    """The active user behind a live token, recording when it was last used."""
+    if not raw:
+        return None
+    token = (
+        ApiToken.objects.select_related("user")
+        .filter(key_hash=hash_token(raw.strip()), revoked_at__isnull=True)
+        .first()
+    )
+    if token is None or not token.user.is_active:
+        return None
+    now = timezone.now()
+    if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+    return token.user
+
+
+def bearer_from_header(value: str | None) -> str | None:
+    if not value:
+        return None
+    scheme, _, rest = value.partition(" ")
+    if scheme.lower() != "bearer" or not rest.strip():
+        return None
+    return rest.strip()

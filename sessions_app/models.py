@@ -1,0 +1,289 @@
+"""The durable facts of the platform: dialogs, messages, turns, staged inputs, compactions,
+memory notes and API tokens (SPEC A2). Writes go through `services`, reads through
+`selectors`."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+def _new_pk() -> str:
+    return uuid.uuid4().hex
+
+
+class TitleSource(models.TextChoices):
+    DEFAULT = "default", "default"
+    USER = "user", "user"
+    AUTO = "auto", "auto"
+    OPERATOR = "operator", "operator"
+
+
+class Session(models.Model):
+    """One dialog of a chat (A1). The primary key is opaque so a deleted `default` dialog can
+    be created again; the public id is `{channel}:{chat_id}:{dialog_id}` of a live dialog."""
+
+    id = models.CharField(primary_key=True, max_length=32, default=_new_pk, editable=False)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="dialogs"
+    )
+    channel = models.CharField(max_length=64)
+    chat_id = models.CharField(max_length=64)
+    dialog_id = models.CharField(max_length=64)
+    title = models.CharField(max_length=200)
+    title_source = models.CharField(
+        max_length=16, choices=TitleSource.choices, default=TitleSource.DEFAULT
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    last_active_at = models.DateTimeField(default=timezone.now, db_index=True)
+    # A2: message_count counts user messages only; total counts everything in history.
+    message_count = models.PositiveIntegerField(default=0)
+    total_message_count = models.PositiveIntegerField(default=0)
+    # A3/D2: highest seq ever assigned = the history revision. Never goes back.
+    last_seq = models.BigIntegerField(default=0)
+    # Bumped by every change of history, title or lifecycle; background jobs commit only if
+    # it is unchanged (B4, B5, C9).
+    state_version = models.BigIntegerField(default=0)
+    # C1: per-session FIFO order of accepted sends.
+    turn_counter = models.BigIntegerField(default=0)
+    # C3: the database lease of the process running this session's turns.
+    lease_owner = models.CharField(max_length=96, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # C8: the session plan tool's state.
+    plan = models.TextField(blank=True, default="")
+    deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["channel", "chat_id", "dialog_id"],
+                condition=Q(deleted_at__isnull=True),
+                name="uniq_live_dialog",
+            )
+        ]
+        indexes = [
+            models.Index(fields=["channel", "chat_id", "deleted_at"], name="idx_sessions_chat"),
+        ]
+        ordering = ["-last_active_at"]
+
+    def __str__(self) -> str:
+        return f"{self.session_id} ({self.title})"
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.channel}:{self.chat_id}:{self.dialog_id}"
+
+    @property
+    def is_deleted(self) -> bool:
+        return self.deleted_at is not None
+
+    @property
+    def default_title(self) -> str:
+        return f"Dialog {self.dialog_id}"
+
+
+class Role(models.TextChoices):
+    SYSTEM = "system", "system"
+    USER = "user", "user"
+    ASSISTANT = "assistant", "assistant"
+    TOOL = "tool", "tool"
+
+
+class MessageKind(models.TextChoices):
+    """Where a message came from; stored in `source["kind"]`."""
+
+    WELCOME = "welcome", "welcome"
+    USER_INPUT = "user_input", "user input"
+    STEER = "steer", "steer"
+    INJECT = "inject", "inject"
+    ASSISTANT = "assistant", "assistant"
+    TOOL_RESULT = "tool_result", "tool result"
+
+
+class MessageStatus(models.TextChoices):
+    COMPLETE = "", "complete"
+    CANCELLED = "cancelled", "cancelled"
+    INTERRUPTED = "interrupted", "interrupted"
+
+
+class Message(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="messages")
+    seq = models.BigIntegerField()
+    role = models.CharField(max_length=16, choices=Role.choices)
+    content = models.TextField(blank=True, default="")
+    media_refs = models.JSONField(default=list, blank=True)
+    tool_call_id = models.CharField(max_length=128, null=True, blank=True)
+    tool_name = models.CharField(max_length=128, null=True, blank=True)
+    tool_calls = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    # D5: kind, channel, sender id, reply_to, client_msg_id; hidden from the model (C8).
+    source = models.JSONField(default=dict, blank=True)
+    status = models.CharField(
+        max_length=16, choices=MessageStatus.choices, default=MessageStatus.COMPLETE, blank=True
+    )
+    turn = models.ForeignKey(
+        "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="messages"
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["session", "seq"], name="uniq_message_seq"),
+        ]
+        indexes = [models.Index(fields=["session", "seq"], name="idx_messages_session_seq")]
+        ordering = ["seq"]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.role}: {self.content[:40]}"
+
+    @property
+    def kind(self) -> str:
+        return str(self.source.get("kind", ""))
+
+
+class TurnMode(models.TextChoices):
+    SEND = "send", "send"
+    RETRY = "retry", "retry"
+
+
+class TurnStatus(models.TextChoices):
+    QUEUED = "queued", "queued"
+    RUNNING = "running", "running"
+    COMPLETED = "completed", "completed"
+    CANCELLED = "cancelled", "cancelled"
+    FAILED = "failed", "failed"
+
+
+TERMINAL_STATUSES = (TurnStatus.COMPLETED, TurnStatus.CANCELLED, TurnStatus.FAILED)
+
+
+class Turn(models.Model):
+    """One accepted send (C1, C2): queued durably before it is acknowledged, run at most once,
+    ended by exactly one terminal."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="turns")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    number = models.BigIntegerField()
+    mode = models.CharField(max_length=8, choices=TurnMode.choices, default=TurnMode.SEND)
+    status = models.CharField(
+        max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED, db_index=True
+    )
+    reason = models.CharField(max_length=16, blank=True, default="")
+    error_kind = models.CharField(max_length=32, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    content = models.TextField(blank=True, default="")
+    client_msg_id = models.CharField(max_length=128, blank=True, default="")
+    source = models.JSONField(default=dict, blank=True)
+    received_at = models.DateTimeField(default=timezone.now)
+    retry_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # C11: partial answer checkpoint (not a message) and tool progress.
+    partial_text = models.TextField(blank=True, default="")
+    cancel_requested = models.BooleanField(default=False)
+    usage = models.JSONField(default=dict, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["session", "number"], name="uniq_turn_number"),
+        ]
+        indexes = [models.Index(fields=["session", "status", "number"], name="idx_turn_queue")]
+        ordering = ["number"]
+
+    def __str__(self) -> str:
+        return f"turn {self.id} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class StagedInput(models.Model):
+    """Steer and inject text waiting for the next step boundary of a running turn (C4, C5)."""
+
+    class Mode(models.TextChoices):
+        STEER = "steer", "steer"
+        INJECT = "inject", "inject"
+
+    class Status(models.TextChoices):
+        STAGED = "staged", "staged"
+        RECORDED = "recorded", "recorded"
+        DROPPED = "dropped", "dropped"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="staged_inputs")
+    mode = models.CharField(max_length=8, choices=Mode.choices)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.STAGED)
+    content = models.TextField()
+    client_msg_id = models.CharField(max_length=128, blank=True, default="")
+    source = models.JSONField(default=dict, blank=True)
+    received_at = models.DateTimeField(default=timezone.now)
+    recorded_in = models.ForeignKey(
+        Turn, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    class Meta:
+        ordering = ["received_at"]
+        indexes = [models.Index(fields=["session", "status"], name="idx_staged_session")]
+
+
+class Compaction(models.Model):
+    """A summary of history up to `through_seq` (B5). Stored messages are never rewritten."""
+
+    id = models.BigAutoField(primary_key=True)
+    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="compactions")
+    through_seq = models.BigIntegerField()
+    summary = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-through_seq"]
+
+
+class MemoryNote(models.Model):
+    """A note the `remember` tool keeps for its owner across dialogs (C8)."""
+
+    id = models.BigAutoField(primary_key=True)
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memory_notes"
+    )
+    content = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return self.content[:60]
+
+
+class ApiToken(models.Model):
+    """A bearer token for the REST API and WebSocket (F2). Only its SHA-256 is stored."""
+
+    id = models.BigAutoField(primary_key=True)
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100, blank=True, default="")
+    prefix = models.CharField(max_length=12, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.user})"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None

@@ -1,0 +1,476 @@
+"""Writes. Every change of dialogs and messages goes through here (STYLE 2, 3).
+
+Each write is one transaction, retried on database errors with the configured delays (A4);
+events for clients are published only after the transaction commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import DatabaseError, IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from chatcore.engine import publish
+from chatcore.engine.errors import BadRequest, NotFound, StorageError
+from chatcore.engine.ids import DEFAULT_DIALOG, SessionKey, chat_belongs_to, validate_part
+
+from .models import (
+    ApiToken,
+    Message,
+    MessageKind,
+    Role,
+    Session,
+    TitleSource,
+    Turn,
+    TurnStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TITLE_MAX = 200
+
+
+def storage_retry(
+    operation: Callable[[], T], *, what: str, session: Session | None = None
+) -> T:
+    """Run a write, retrying database errors after each configured delay (A4).
+
+    When the last attempt fails too, the error is logged, the session's clients get a system
+    notification (not stored in history), and `StorageError` is raised so that no caller
+    updates its memory as if the write had succeeded.
+    """
+    delays = list(settings.CHAT["STORAGE_RETRY_DELAYS_MS"])
+    attempt = 0
+    while True:
+        try:
+            return operation()
+        except IntegrityError:
+            raise
+        except DatabaseError as exc:
+            if attempt < len(delays):
+                logger.warning(
+                    "storage write %s failed, retrying: %s",
+                    what,
+                    exc,
+                    extra={"attempt": attempt + 1, "session_id": _sid(session)},
+                )
+                time.sleep(delays[attempt] / 1000)
+                attempt += 1
+                continue
+            logger.error(
+                "storage write %s failed after %d attempts: %s",
+                what,
+                attempt + 1,
+                exc,
+                extra={"session_id": _sid(session)},
+            )
+            if session is not None:
+                publish.publish_to_chat(
+                    session,
+                    publish.notification_frame(
+                        session_id=session.session_id,
+                        level="error",
+                        content=_("Saving to the database failed; the last change was not kept."),
+                    ),
+                )
+            raise StorageError() from exc
+
+
+def _sid(session: Session | None) -> str | None:
+    return session.session_id if session is not None else None
+
+
+# --- Dialogs ------------------------------------------------------------------------------
+
+
+def _welcome_text(dialog_id: str) -> str:
+    return _(
+        "New dialog created! Dialog id: %(dialog_id)s\n"
+        "Use /sessions to list your dialogs and /switch <id> to change dialog."
+    ) % {"dialog_id": dialog_id}
+
+
+def new_dialog_id() -> str:
+    return "d" + secrets.token_hex(4)
+
+
+def clean_title(title: object) -> str:
+    if not isinstance(title, str) or not title.strip():
+        raise BadRequest(_("A title must not be empty."))
+    title = " ".join(title.split())
+    if len(title) > TITLE_MAX:
+        raise BadRequest(_("A title may have at most %(n)d characters.") % {"n": TITLE_MAX})
+    return title
+
+
+def session_create(
+    *,
+    owner: AbstractBaseUser,
+    channel: str,
+    chat_id: str,
+    dialog_id: str | None = None,
+    title: str | None = None,
+) -> Session:
+    """Create a live dialog with its welcome message (B2) and tell the chat's clients."""
+    key = SessionKey.build(channel, chat_id, dialog_id or new_dialog_id())
+    if not chat_belongs_to(owner.pk, key.channel, key.chat_id):
+        raise NotFound(_("Chat not found."))
+    clean = clean_title(title) if title is not None else None
+
+    def write() -> tuple[Session, Message]:
+        with transaction.atomic():
+            if Session.objects.filter(
+                channel=key.channel, chat_id=key.chat_id, dialog_id=key.dialog_id,
+                deleted_at__isnull=True,
+            ).exists():
+                raise BadRequest(_("Dialog %(id)s already exists.") % {"id": key.dialog_id})
+            now = timezone.now()
+            session = Session(
+                owner=owner,
+                channel=key.channel,
+                chat_id=key.chat_id,
+                dialog_id=key.dialog_id,
+                created_at=now,
+                last_active_at=now,
+            )
+            session.title = clean or session.default_title
+            session.title_source = TitleSource.USER if clean else TitleSource.DEFAULT
+            session.last_seq = 1
+            session.total_message_count = 1
+            session.state_version = 1
+            session.save(force_insert=True)
+            welcome = Message.objects.create(
+                session=session,
+                seq=1,
+                role=Role.SYSTEM,
+                content=_welcome_text(key.dialog_id),
+                created_at=now,
+                source={"kind": MessageKind.WELCOME},
+            )
+            transaction.on_commit(lambda: _announce_created(session, welcome))
+            return session, welcome
+
+    try:
+        session, _welcome = storage_retry(write, what="session_create")
+    except IntegrityError as exc:
+        # Two creators raced for the same key: the loser gets the same clear error.
+        raise BadRequest(_("Dialog %(id)s already exists.") % {"id": key.dialog_id}) from exc
+    return session
+
+
+def _announce_created(session: Session, welcome: Message) -> None:
+    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(
+        session,
+        publish.history_delta_frame(
+            session_id=session.session_id, turn_id=None, base_revision=0, messages=[welcome]
+        ),
+    )
+
+
+def session_get_or_create_default(
+    *, owner: AbstractBaseUser, channel: str, chat_id: str
+) -> Session:
+    existing = (
+        Session.objects.filter(
+            channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG, deleted_at__isnull=True
+        )
+        .select_related("owner")
+        .first()
+    )
+    if existing is not None:
+        return existing
+    try:
+        return session_create(
+            owner=owner, channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG
+        )
+    except BadRequest:
+        return Session.objects.get(
+            channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG, deleted_at__isnull=True
+        )
+
+
+def session_rename(
+    *, session: Session, title: str, source: str = TitleSource.USER
+) -> Session:
+    """Rename a dialog. A rename by a person always wins over automatic titles (B4)."""
+    clean = clean_title(title)
+
+    def write() -> None:
+        with transaction.atomic():
+            updated = Session.objects.filter(pk=session.pk).update(
+                title=clean, title_source=source, state_version=F("state_version") + 1
+            )
+            if not updated:
+                raise NotFound(_("Dialog not found."))
+
+    storage_retry(write, what="session_rename", session=session)
+    session.refresh_from_db()
+    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    return session
+
+
+def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
+    """Commit an automatic title only if the title is still the default and the dialog still
+    exists (B4): a person's rename always wins, also against a late result."""
+    clean = clean_title(title)
+
+    def write() -> int:
+        with transaction.atomic():
+            return Session.objects.filter(
+                pk=session_pk, title_source=TitleSource.DEFAULT, deleted_at__isnull=True
+            ).update(title=clean, title_source=TitleSource.AUTO, state_version=F("state_version") + 1)
+
+    if not storage_retry(write, what="title_commit"):
+        return None
+    session = Session.objects.get(pk=session_pk)
+    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    return session
+
+
+def session_soft_delete(*, session: Session) -> Session:
+    """Hide a dialog at once (A7). Queued sends end as cancelled (stale); a running turn sees
+    the state change and commits nothing (C9)."""
+
+    def write() -> list[Turn]:
+        with transaction.atomic():
+            now = timezone.now()
+            updated = Session.objects.filter(pk=session.pk, deleted_at__isnull=True).update(
+                deleted_at=now, state_version=F("state_version") + 1
+            )
+            if not updated:
+                raise NotFound(_("Dialog not found."))
+            queued = list(Turn.objects.filter(session=session, status=TurnStatus.QUEUED))
+            Turn.objects.filter(pk__in=[t.pk for t in queued]).update(
+                status=TurnStatus.CANCELLED, reason="stale", finished_at=now
+            )
+            Turn.objects.filter(session=session, status=TurnStatus.RUNNING).update(
+                cancel_requested=True
+            )
+            return queued
+
+    dropped = storage_retry(write, what="session_soft_delete", session=session)
+    session.refresh_from_db()
+    for turn in dropped:
+        publish.publish_to_chat(
+            session,
+            publish.turn_updated_frame(
+                session_id=session.session_id,
+                turn_id=str(turn.pk),
+                status=TurnStatus.CANCELLED,
+                reason="stale",
+                client_msg_id=turn.client_msg_id,
+            ),
+        )
+    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    return session
+
+
+def session_restore(*, session: Session) -> Session:
+    """Bring back a soft-deleted dialog unless a live one has taken its id (A7)."""
+    if session.deleted_at is None:
+        return session
+    if Session.objects.filter(
+        channel=session.channel, chat_id=session.chat_id, dialog_id=session.dialog_id,
+        deleted_at__isnull=True,
+    ).exists():
+        raise BadRequest(
+            _("A live dialog %(id)s exists; rename or delete it first.") % {"id": session.dialog_id}
+        )
+
+    def write() -> None:
+        with transaction.atomic():
+            Session.objects.filter(pk=session.pk).update(
+                deleted_at=None, state_version=F("state_version") + 1, last_active_at=timezone.now()
+            )
+
+    storage_retry(write, what="session_restore", session=session)
+    session.refresh_from_db()
+    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    return session
+
+
+def session_purge(*, session: Session) -> None:
+    """Physical delete with cascade (A7)."""
+    storage_retry(lambda: Session.objects.filter(pk=session.pk).delete(), what="session_purge")
+
+
+def sessions_purge_expired(*, now: datetime | None = None) -> int:
+    """Purge dialogs soft-deleted longer than the retention period (A7). Idempotent."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.CHAT["RETENTION_DAYS"])
+    count = 0
+    for pk in Session.objects.filter(deleted_at__lt=cutoff).values_list("pk", flat=True):
+        storage_retry(lambda pk=pk: Session.objects.filter(pk=pk).delete(), what="purge")
+        count += 1
+    return count
+
+
+def session_touch(*, session_pk: str) -> None:
+    Session.objects.filter(pk=session_pk).update(last_active_at=timezone.now())
+
+
+# --- Messages -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NewMessage:
+    role: str
+    content: str
+    kind: str
+    created_at: datetime | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    media_refs: list[Any] = field(default_factory=list)
+    source: dict[str, Any] = field(default_factory=dict)
+    status: str = ""
+
+
+@dataclass(slots=True)
+class Appended:
+    session: Session
+    base_revision: int
+    messages: list[Message]
+
+    @property
+    def revision(self) -> int:
+        return self.messages[-1].seq if self.messages else self.base_revision
+
+
+def messages_append(
+    *,
+    session_pk: str,
+    messages: Sequence[NewMessage],
+    turn: Turn | None = None,
+    require_state_version: int | None = None,
+    publish_delta: bool = True,
+    extra: Callable[[Session], None] | None = None,
+) -> Appended:
+    """Append messages atomically; returns them with their seqs (A3, A4).
+
+    `require_state_version` makes the append conditional (C9): when the dialog changed or was
+    deleted under the caller, nothing is written and `StaleSession` is raised. `extra` runs
+    inside the same transaction (a turn's status update commits with its messages).
+    """
+    if not messages:
+        raise ValueError("nothing to append")
+    probe = Session.objects.filter(pk=session_pk).first()
+
+    def write() -> Appended:
+        with transaction.atomic():
+            session = Session.objects.select_for_update().get(pk=session_pk)
+            if require_state_version is not None and (
+                session.state_version != require_state_version or session.deleted_at is not None
+            ):
+                raise StaleSession()
+            base = session.last_seq
+            now = timezone.now()
+            rows = []
+            for offset, new in enumerate(messages, start=1):
+                source = {"kind": new.kind, **new.source}
+                rows.append(
+                    Message(
+                        session=session,
+                        seq=base + offset,
+                        role=new.role,
+                        content=new.content,
+                        created_at=new.created_at or now,
+                        tool_calls=new.tool_calls,
+                        tool_call_id=new.tool_call_id,
+                        tool_name=new.tool_name,
+                        media_refs=new.media_refs,
+                        source=source,
+                        status=new.status,
+                        turn=turn,
+                    )
+                )
+            Message.objects.bulk_create(rows)
+            user_count = sum(1 for m in messages if m.kind in USER_KINDS)
+            session.last_seq = base + len(rows)
+            session.total_message_count += len(rows)
+            session.message_count += user_count
+            session.state_version += 1
+            session.last_active_at = now
+            session.save(
+                update_fields=[
+                    "last_seq", "total_message_count", "message_count", "state_version",
+                    "last_active_at",
+                ]
+            )
+            if extra is not None:
+                extra(session)
+            appended = Appended(session=session, base_revision=base, messages=rows)
+            if publish_delta:
+                transaction.on_commit(lambda: _announce_appended(appended, turn))
+            return appended
+
+    return storage_retry(write, what="messages_append", session=probe)
+
+
+# A2: message_count counts the user's own messages as they enter history.
+USER_KINDS = frozenset({MessageKind.USER_INPUT, MessageKind.STEER})
+
+
+class StaleSession(Exception):
+    """The dialog changed or was deleted under a conditional write (C9)."""
+
+
+def _announce_appended(appended: Appended, turn: Turn | None) -> None:
+    publish.publish_to_chat(
+        appended.session,
+        publish.history_delta_frame(
+            session_id=appended.session.session_id,
+            turn_id=str(turn.pk) if turn else None,
+            base_revision=appended.base_revision,
+            messages=appended.messages,
+        ),
+    )
+
+
+def messages_clear(*, session: Session) -> int:
+    """Remove a dialog's messages; seqs are never reused (A3)."""
+
+    def write() -> int:
+        with transaction.atomic():
+            deleted, _ = Message.objects.filter(session_id=session.pk).delete()
+            Session.objects.filter(pk=session.pk).update(
+                message_count=0, total_message_count=0, state_version=F("state_version") + 1
+            )
+            return deleted
+
+    count = storage_retry(write, what="messages_clear", session=session)
+    session.refresh_from_db()
+    return count
+
+
+# --- API tokens ---------------------------------------------------------------------------
+
+
+def api_token_issue(*, user: AbstractBaseUser, name: str = "") -> tuple[ApiToken, str]:
+    """Create a token; the plain key is returned once and only its hash is stored (F2)."""
+    from .auth import hash_token
+
+    raw = "cc_" + secrets.token_urlsafe(32)
+    token = ApiToken.objects.create(user=user, name=name, prefix=raw[:10], key_hash=hash_token(raw))
+    return token, raw
+
+
+def api_token_revoke(*, token: ApiToken) -> None:
+    ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+
+
+def validate_dialog_id(value: object) -> str:
+    return validate_part(value, field="dialog_id")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from django.core.asgi import get_asgi_application
 
@@ -11,4 +12,13 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from chatcore.engine import runtime  # noqa: E402
+
+router = ProtocolTypeRouter({"http": django_asgi_app})
+
+
+async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    # The engine lives in the server's loop; `serve` starts it at boot, this covers other
+    # servers (idempotent).
+    runtime.start_in_current_loop()
+    await router(scope, receive, send)

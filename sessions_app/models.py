@@ -48,6 +48,9 @@ class Session(models.Model):
     # Bumped by every change of history, title or lifecycle; background jobs commit only if
     # it is unchanged (B4, B5, C9).
     state_version = models.BigIntegerField(default=0)
+    # Bumped only when history is cleared or the dialog deleted/restored: a running turn whose
+    # generation changed is stale and commits nothing (C9).
+    generation = models.BigIntegerField(default=0)
     # C1: per-session FIFO order of accepted sends.
     turn_counter = models.BigIntegerField(default=0)
     # C3: the database lease of the process running this session's turns.

@@ -248,7 +248,9 @@ def session_soft_delete(*, session: Session) -> Session:
         with transaction.atomic():
             now = timezone.now()
             updated = Session.objects.filter(pk=session.pk, deleted_at__isnull=True).update(
-                deleted_at=now, state_version=F("state_version") + 1
+                deleted_at=now,
+                state_version=F("state_version") + 1,
+                generation=F("generation") + 1,
             )
             if not updated:
                 raise NotFound(_("Dialog not found."))
@@ -293,7 +295,10 @@ def session_restore(*, session: Session) -> Session:
     def write() -> None:
         with transaction.atomic():
             Session.objects.filter(pk=session.pk).update(
-                deleted_at=None, state_version=F("state_version") + 1, last_active_at=timezone.now()
+                deleted_at=None,
+                state_version=F("state_version") + 1,
+                generation=F("generation") + 1,
+                last_active_at=timezone.now(),
             )
 
     storage_retry(write, what="session_restore", session=session)
@@ -355,13 +360,13 @@ def messages_append(
     session_pk: str,
     messages: Sequence[NewMessage],
     turn: Turn | None = None,
-    require_state_version: int | None = None,
+    require_generation: int | None = None,
     publish_delta: bool = True,
     extra: Callable[[Session], None] | None = None,
 ) -> Appended:
     """Append messages atomically; returns them with their seqs (A3, A4).
 
-    `require_state_version` makes the append conditional (C9): when the dialog changed or was
+    `require_generation` makes the append conditional (C9): when the dialog was cleared or
     deleted under the caller, nothing is written and `StaleSession` is raised. `extra` runs
     inside the same transaction (a turn's status update commits with its messages).
     """
@@ -372,8 +377,8 @@ def messages_append(
     def write() -> Appended:
         with transaction.atomic():
             session = Session.objects.select_for_update().get(pk=session_pk)
-            if require_state_version is not None and (
-                session.state_version != require_state_version or session.deleted_at is not None
+            if require_generation is not None and (
+                session.generation != require_generation or session.deleted_at is not None
             ):
                 raise StaleSession()
             base = session.last_seq
@@ -447,7 +452,10 @@ def messages_clear(*, session: Session) -> int:
         with transaction.atomic():
             deleted, _ = Message.objects.filter(session_id=session.pk).delete()
             Session.objects.filter(pk=session.pk).update(
-                message_count=0, total_message_count=0, state_version=F("state_version") + 1
+                message_count=0,
+                total_message_count=0,
+                state_version=F("state_version") + 1,
+                generation=F("generation") + 1,
             )
             return deleted
 

@@ -64,3 +64,91 @@ def user(make_user: Callable[..., Any]) -> Any:
 @pytest.fixture
 def other_user(make_user: Callable[..., Any]) -> Any:
     return make_user("bob")
+
+
+# --- Engine fixtures ----------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+from collections.abc import AsyncIterator, Iterator  # noqa: E402
+
+import pytest_asyncio  # noqa: E402
+from channels.layers import get_channel_layer  # noqa: E402
+
+from tests.fakemodel import FakeModelServer  # noqa: E402
+
+
+@pytest.fixture
+def fake_model() -> Iterator[FakeModelServer]:
+    server = FakeModelServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class FrameRecorder:
+    """Listens on channel-layer groups like a client connection would."""
+
+    def __init__(self) -> None:
+        self.layer = get_channel_layer()
+        self.channel = ""
+        self.frames: list[dict[str, Any]] = []
+
+    async def start(self, *groups: str) -> FrameRecorder:
+        self.channel = await self.layer.new_channel("test.")
+        for group in groups:
+            await self.layer.group_add(group, self.channel)
+        return self
+
+    async def next(self, timeout: float = 10.0) -> dict[str, Any]:
+        message = await asyncio.wait_for(self.layer.receive(self.channel), timeout)
+        frame = message["frame"]
+        self.frames.append(frame)
+        return frame
+
+    async def until(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 15.0) -> list[dict[str, Any]]:
+        """Collect frames until one matches; returns all collected, the match last."""
+        out = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            frame = await self.next(max(0.01, deadline - loop.time()))
+            out.append(frame)
+            if pred(frame):
+                return out
+
+    async def terminal(self, turn_id: str, timeout: float = 15.0) -> dict[str, Any]:
+        frames = await self.until(
+            lambda f: f["type"] == "turn_updated" and f["turn_id"] == turn_id, timeout
+        )
+        return frames[-1]
+
+
+@pytest_asyncio.fixture
+async def recorder() -> AsyncIterator[Callable[..., Any]]:
+    async def make(*groups: str) -> FrameRecorder:
+        return await FrameRecorder().start(*groups)
+
+    yield make
+
+
+@pytest_asyncio.fixture
+async def make_engine(fake_model: FakeModelServer) -> AsyncIterator[Callable[..., Any]]:
+    from chatcore.engine.engine import Engine
+    from chatcore.engine.provider import OpenAIProvider
+
+    engines: list[Any] = []
+
+    async def factory(**kwargs: Any) -> Any:
+        provider = kwargs.pop("provider", None) or OpenAIProvider(
+            base_url=fake_model.url, api_key="sk-test-secret-key-123456", model="fake",
+            retry_base_delay=0.01,
+        )
+        engine = Engine(provider=provider, **kwargs)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        await engine.shutdown(grace=2)

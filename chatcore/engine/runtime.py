@@ -1,7 +1,8 @@
-"""The process-wide engine runtime: started once per server process inside its event loop.
+"""The process-wide engine: one per server process, living in the server's event loop.
 
 `start_in_current_loop()` is called by the `serve` command when Daphne is ready and, as a
-fallback for other ASGI servers, by the ASGI app on its first connection.
+fallback for other ASGI servers, by the ASGI app on its first connection. Channels reach the
+engine through `get_engine()`.
 """
 
 from __future__ import annotations
@@ -10,18 +11,45 @@ import asyncio
 import logging
 
 from . import publish
+from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
+_engine: Engine | None = None
 _started_loop: asyncio.AbstractEventLoop | None = None
+_start_task: asyncio.Task[None] | None = None
 
 
 def start_in_current_loop() -> None:
-    """Bind this process's engine to the running loop (idempotent)."""
-    global _started_loop
+    """Create and start this process's engine in the running loop (idempotent)."""
+    global _engine, _started_loop, _start_task
     loop = asyncio.get_running_loop()
     if _started_loop is loop:
         return
     _started_loop = loop
     publish.bind_loop(loop)
-    logger.info("engine runtime started")
+    _engine = Engine()
+    _start_task = loop.create_task(_engine.start())
+    logger.info("engine started")
+
+
+async def get_engine() -> Engine:
+    """The engine of this process, started in the current loop."""
+    start_in_current_loop()
+    assert _engine is not None
+    if _start_task is not None and not _start_task.done():
+        await _start_task
+    return _engine
+
+
+def set_engine(engine: Engine | None) -> None:
+    """Install an engine (tests, the terminal channel) as this process's engine."""
+    global _engine, _started_loop, _start_task
+    _engine = engine
+    _start_task = None
+    _started_loop = engine.loop if engine is not None else None
+
+
+async def shutdown() -> None:
+    if _engine is not None:
+        await _engine.shutdown()

@@ -1,0 +1,233 @@
+"""Slash commands (B3): one registry that every channel uses.
+
+A command is not a model turn and never enters history (only `/new`'s welcome does). Each
+command gets exactly one reply: a `CommandResult`, or a `ChatError` the channel turns into an
+error frame. Commands run as their own short tasks, so a slow one never blocks another
+dialog's input or `/stop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import sync_to_async
+from django.contrib.auth.models import AbstractBaseUser
+from django.utils.translation import gettext as _
+
+from sessions_app import selectors, services
+from sessions_app.models import Session
+
+from .errors import BadRequest, UnknownCommand
+from .ids import validate_part
+from .sessions import dialog_after_delete
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclass
+class CommandContext:
+    owner: AbstractBaseUser
+    channel: str
+    chat_id: str
+    current: Session | None
+    engine: Engine | None = None
+
+
+@dataclass
+class CommandResult:
+    command: str
+    content: str
+    ok: bool = True
+    # The dialog that is current after the command (changed by /new, /switch, /delete).
+    current: Session | None = None
+    # Which state frames the channel should send: "sessions", "history", "session".
+    effects: set[str] = field(default_factory=set)
+
+
+Handler = Callable[[CommandContext, str], Awaitable[CommandResult]]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    usage: str
+    help: str
+    handler: Handler
+    takes_args: bool
+
+
+REGISTRY: dict[str, Command] = {}
+
+
+def command(name: str, *, usage: str, help: str, takes_args: bool = False) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        REGISTRY[name] = Command(name, usage, help, fn, takes_args)
+        return fn
+
+    return register
+
+
+def is_command(text: str) -> bool:
+    return text.startswith("/")
+
+
+def parse(text: str) -> tuple[str, str]:
+    head, _sep, rest = text.strip()[1:].partition(" ")
+    return head.strip().lower(), rest.strip()
+
+
+async def run_command(ctx: CommandContext, text: str) -> CommandResult:
+    name, args = parse(text)
+    cmd = REGISTRY.get(name)
+    if cmd is None:
+        raise UnknownCommand(
+            _("Unknown command /%(name)s. Type /help for the list of commands.") % {"name": name}
+        )
+    if args and not cmd.takes_args:
+        raise BadRequest(_("/%(name)s takes no arguments. Usage: %(usage)s") % {"name": name, "usage": cmd.usage})
+    return await cmd.handler(ctx, args)
+
+
+def _require_current(ctx: CommandContext) -> Session:
+    if ctx.current is None:
+        raise BadRequest(_("No current dialog."))
+    return ctx.current
+
+
+def _line(session: Session, current: Session | None) -> str:
+    marker = "*" if current is not None and current.pk == session.pk else "-"
+    return _("%(marker)s %(id)s — %(title)s (%(n)d messages)") % {
+        "marker": marker,
+        "id": session.dialog_id,
+        "title": session.title,
+        "n": session.message_count,
+    }
+
+
+@command("new", usage="/new [title]", help=_("Start a new dialog"), takes_args=True)
+async def _new(ctx: CommandContext, args: str) -> CommandResult:
+    session = await sync_to_async(services.session_create)(
+        owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, title=args or None
+    )
+    return CommandResult(
+        "new",
+        _("Created dialog %(id)s: %(title)s") % {"id": session.dialog_id, "title": session.title},
+        current=session,
+        effects={"sessions", "history"},
+    )
+
+
+@command("sessions", usage="/sessions", help=_("List the 10 most recent dialogs"))
+async def _sessions(ctx: CommandContext, args: str) -> CommandResult:
+    items = await sync_to_async(selectors.dialog_list_for_chat)(
+        owner_id=ctx.owner.pk, channel=ctx.channel, chat_id=ctx.chat_id, limit=10
+    )
+    if not items:
+        return CommandResult("sessions", _("No dialogs yet."))
+    lines = [_("Your dialogs (most recent first):")] + [_line(s, ctx.current) for s in items]
+    return CommandResult("sessions", "\n".join(lines))
+
+
+@command("switch", usage="/switch <dialog_id>", help=_("Switch to another dialog"), takes_args=True)
+async def _switch(ctx: CommandContext, args: str) -> CommandResult:
+    if not args or " " in args:
+        raise BadRequest(_("Usage: /switch <dialog_id>"))
+    dialog_id = validate_part(args, field="dialog_id")
+    # B1: switching to a dialog that does not exist is an error, never a creation.
+    session = await sync_to_async(selectors.dialog_get)(
+        owner_id=ctx.owner.pk, channel=ctx.channel, chat_id=ctx.chat_id, dialog_id=dialog_id
+    )
+    return CommandResult(
+        "switch",
+        _("Switched to %(id)s: %(title)s") % {"id": session.dialog_id, "title": session.title},
+        current=session,
+        effects={"sessions", "history"},
+    )
+
+
+@command("rename", usage="/rename <title>", help=_("Rename the current dialog"), takes_args=True)
+async def _rename(ctx: CommandContext, args: str) -> CommandResult:
+    session = _require_current(ctx)
+    if not args:
+        raise BadRequest(_("Usage: /rename <title>"))
+    session = await sync_to_async(services.session_rename)(session=session, title=args)
+    return CommandResult(
+        "rename",
+        _("Renamed to: %(title)s") % {"title": session.title},
+        current=session,
+        effects={"session"},
+    )
+
+
+@command("delete", usage="/delete", help=_("Delete the current dialog"))
+async def _delete(ctx: CommandContext, args: str) -> CommandResult:
+    session = _require_current(ctx)
+    if ctx.engine is not None:
+        await ctx.engine.cancel_for_delete(session)
+    await sync_to_async(services.session_soft_delete)(session=session)
+    current = await sync_to_async(dialog_after_delete)(
+        owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id
+    )
+    return CommandResult(
+        "delete",
+        _("Deleted dialog %(id)s. Current dialog: %(current)s")
+        % {"id": session.dialog_id, "current": current.dialog_id},
+        current=current,
+        effects={"sessions", "history"},
+    )
+
+
+@command("info", usage="/info", help=_("Show the current dialog"))
+async def _info(ctx: CommandContext, args: str) -> CommandResult:
+    session = _require_current(ctx)
+
+    def gather() -> tuple[Session, int, bool]:
+        fresh = Session.objects.get(pk=session.pk)
+        queued = len(selectors.turn_queue(session_pk=session.pk))
+        running = selectors.turn_running(session_pk=session.pk) is not None
+        return fresh, queued, running
+
+    fresh, queued, running = await sync_to_async(gather)()
+    lines = [
+        _("Dialog: %(id)s") % {"id": fresh.dialog_id},
+        _("Session: %(sid)s") % {"sid": fresh.session_id},
+        _("Title: %(title)s") % {"title": fresh.title},
+        _("Created: %(t)s") % {"t": fresh.created_at.strftime("%Y-%m-%d %H:%M UTC")},
+        _("Last active: %(t)s") % {"t": fresh.last_active_at.strftime("%Y-%m-%d %H:%M UTC")},
+        _("Messages: %(user)d from you, %(total)d in total")
+        % {"user": fresh.message_count, "total": fresh.total_message_count},
+        _("Status: %(status)s, %(queued)d queued")
+        % {"status": _("running") if running else _("idle"), "queued": queued},
+    ]
+    return CommandResult("info", "\n".join(lines))
+
+
+@command("stop", usage="/stop", help=_("Stop the running answer and drop queued messages"))
+async def _stop(ctx: CommandContext, args: str) -> CommandResult:
+    session = _require_current(ctx)
+    if ctx.engine is None:
+        raise BadRequest(_("Nothing to stop."))
+    result = await ctx.engine.stop(session)
+    return CommandResult("stop", result.describe())
+
+
+@command("compact", usage="/compact", help=_("Summarise older history to free context"))
+async def _compact(ctx: CommandContext, args: str) -> CommandResult:
+    session = _require_current(ctx)
+    from . import background
+
+    await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
+    return CommandResult("compact", _("Compaction started; you will be told when it is done."))
+
+
+@command("help", usage="/help", help=_("Show this help"))
+async def _help(ctx: CommandContext, args: str) -> CommandResult:
+    lines = [_("Commands:")] + [f"{c.usage} — {c.help}" for c in REGISTRY.values()]
+    return CommandResult("help", "\n".join(lines))
+
+
+def describe_registry() -> list[dict[str, Any]]:
+    return [{"name": c.name, "usage": c.usage, "help": str(c.help)} for c in REGISTRY.values()]

@@ -1,0 +1,850 @@
+"""The engine of one process: admission (ingress), the durable per-session FIFO with its
+database lease (queue), running turns (builder -> runner -> committer), stop/steer/inject/
+retry, snapshots, recovery and supervision.
+
+Turns of one dialog never overlap, across processes too (C3): a process runs a dialog's
+turns only while it holds the dialog's lease (`Session.lease_owner/lease_expires_at`),
+renewed while it works. Queue items are `Turn` rows, stored before they are acknowledged
+(C2). Stop reaches the running turn at once in this process, through the channel layer's
+control group in another, and through the turn row's `cancel_requested` flag as a fallback
+(C6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.cache import cache
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from sessions_app import selectors, services
+from sessions_app.models import (
+    MessageKind,
+    Role,
+    Session,
+    StagedInput,
+    Turn,
+    TurnMode,
+    TurnStatus,
+)
+
+from . import background, publish
+from .errors import BadRequest, NothingToRetry, NotFound, Overloaded, QueueFull, RateLimited, ShuttingDown, TooLarge
+from .provider import ChatProvider, provider_from_settings
+from .sessions import SessionStates
+from .supervisor import TaskSupervisor
+from .tools import ToolContext, ToolRegistry, registry_from_settings
+from .turns.builder import RuntimeInfo, TurnInputBuilder
+from .turns.committer import CommitResult, commit_outcome, record_turn_start, take_staged
+from .turns.outcome import Cancelled, Failed, FailureKind, Stale, TurnOutcome, present_failure
+from .turns.runner import TurnRunner, TurnSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A normalised inbound message (D5). `channel_context` is opaque to the engine."""
+
+    owner: AbstractBaseUser
+    channel: str
+    chat_id: str
+    content: str
+    sender_id: str
+    mode: str = "send"
+    client_msg_id: str = ""
+    reply_to: str | None = None
+    received_at: datetime = field(default_factory=timezone.now)
+    media: tuple[Any, ...] = ()
+    channel_context: dict[str, Any] = field(default_factory=dict)
+
+    def source(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"from_channel": self.channel, "from_user_id": self.sender_id}
+        if self.reply_to:
+            data["reply_to"] = self.reply_to
+        if self.client_msg_id:
+            data["client_msg_id"] = self.client_msg_id
+        return data
+
+
+@dataclass
+class Ack:
+    """The answer to an accepted send/steer/inject (PROTOCOL `queued`)."""
+
+    session: Session
+    turn_id: str | None
+    position: int
+    mode: str
+    client_msg_id: str = ""
+
+    def frame(self) -> dict[str, Any]:
+        return {
+            "type": "queued",
+            "session_id": self.session.session_id,
+            "turn_id": self.turn_id,
+            "position": self.position,
+            "client_msg_id": self.client_msg_id or None,
+            "mode": self.mode,
+        }
+
+
+@dataclass
+class StopResult:
+    stopped_running: bool
+    dropped: int
+
+    def describe(self) -> str:
+        if not self.stopped_running and not self.dropped:
+            return _("Nothing to stop.")
+        parts = []
+        if self.stopped_running:
+            parts.append(_("Stopped the running answer."))
+        if self.dropped:
+            parts.append(_("Dropped %(n)d queued message(s).") % {"n": self.dropped})
+        return " ".join(parts)
+
+
+@dataclass
+class LocalTurn:
+    turn_id: str
+    session: Session
+    snapshot: TurnSnapshot
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    frame: int = 0
+    published_offset: int = 0
+
+
+def _process_id() -> str:
+    return f"{socket.gethostname()[:40]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        provider: ChatProvider | None = None,
+        tools: ToolRegistry | None = None,
+        builder: TurnInputBuilder | None = None,
+        scope: Callable[[Any], Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.process_id = name or _process_id()
+        self.provider = provider or provider_from_settings()
+        self.tools = tools or registry_from_settings()
+        self.states = SessionStates()
+        self.builder = builder or TurnInputBuilder(states=self.states)
+        self.supervisor = TaskSupervisor(self.process_id)
+        # Optional filter of the dialogs this engine picks up by itself in sweeps (the terminal
+        # channel only resumes its own chat).
+        self.scope = scope
+        self.local: dict[str, LocalTurn] = {}
+        self._workers: dict[str, asyncio.Task[Any]] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._control_channel: str | None = None
+        self._started = False
+        self.cfg = settings.CHAT
+        self.turns_finished = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self.loop = asyncio.get_running_loop()
+        publish.bind_loop(self.loop)
+        if not settings.SCALED:
+            background.bind_embedded(self)
+        layer = get_channel_layer()
+        if layer is not None:
+            self._control_channel = await layer.new_channel("engine.")
+            await layer.group_add(publish.engine_control_group(), self._control_channel)
+            self.supervisor.spawn("control", self._control_loop())
+        self.supervisor.spawn("sweep", self._sweep_loop())
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Refuse new work, end running turns as interrupted (their queued successors stay
+        queued for the next process), release leases, reap every task (F1)."""
+        grace = self.cfg["SHUTDOWN_GRACE_SECONDS"] if grace is None else grace
+        self.supervisor.close()
+        for local in list(self.local.values()):
+            local.cancel.set()
+        await self.supervisor.shutdown(grace=grace)
+        layer = get_channel_layer()
+        if layer is not None and self._control_channel:
+            try:
+                await layer.group_discard(publish.engine_control_group(), self._control_channel)
+            except Exception:
+                logger.warning("control group discard failed")
+        if background._embedded_engine is self:
+            background.bind_embedded(None)
+        await self.provider.aclose()
+
+    @property
+    def closing(self) -> bool:
+        return self.supervisor.closing
+
+    # --- ingress (C1, C2, C4, C5) --------------------------------------------------------
+
+    def _check_content(self, content: object) -> str:
+        if not isinstance(content, str) or not content.strip():
+            raise BadRequest(_("The message is empty."))
+        if len(content) > self.cfg["CONTENT_LIMIT"]:
+            raise TooLarge(
+                _("The message is too long (at most %(n)d characters).") % {"n": self.cfg["CONTENT_LIMIT"]}
+            )
+        return content
+
+    def _check_rate(self, user_id: int) -> None:
+        limit = self.cfg["RATE_LIMIT_PER_MINUTE"]
+        now = time.time()
+        window = int(now // 60)
+        key = f"rl:send:{user_id}:{window}"
+        cache.add(key, 0, timeout=120)
+        try:
+            count = cache.incr(key)
+        except ValueError:
+            cache.set(key, 1, timeout=120)
+            count = 1
+        if count > limit:
+            raise RateLimited(retry_after=max(1.0, 60 - (now % 60)))
+
+    async def submit(self, inbound: Inbound, session: Session) -> Ack:
+        """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
+        if self.closing:
+            raise ShuttingDown()
+        if inbound.mode not in ("send", "steer", "inject"):
+            raise BadRequest(_("Unknown mode %(mode)s.") % {"mode": inbound.mode})
+        self._check_content(inbound.content)
+        if len(inbound.client_msg_id) > 128:
+            raise BadRequest(_("client_msg_id is too long (at most 128 characters)."))
+        await sync_to_async(self._check_rate)(inbound.owner.pk)
+        ack = await sync_to_async(self._admit)(inbound, session)
+        if ack.turn_id is not None:
+            await self.kick(session.pk)
+        return ack
+
+    def _admit(self, inbound: Inbound, session: Session) -> Ack:
+        def write() -> tuple[Ack, Turn | None, services.Appended | None]:
+            with transaction.atomic():
+                live = Session.objects.select_for_update().filter(pk=session.pk, deleted_at__isnull=True).first()
+                if live is None:
+                    raise NotFound(_("Dialog not found."))
+                busy = Turn.objects.filter(
+                    session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
+                ).exists()
+                if inbound.mode in ("steer", "inject") and busy:
+                    # C4/C5: staged durably, recorded at the running turn's next step boundary.
+                    StagedInput.objects.create(
+                        session_id=session.pk,
+                        mode=inbound.mode,
+                        content=inbound.content,
+                        client_msg_id=inbound.client_msg_id,
+                        source=inbound.source(),
+                        received_at=inbound.received_at,
+                    )
+                    running = Turn.objects.filter(session_id=session.pk, status=TurnStatus.RUNNING).first()
+                    return (
+                        Ack(live, str(running.pk) if running else None, 0, inbound.mode, inbound.client_msg_id),
+                        None,
+                        None,
+                    )
+                if inbound.mode == "inject":
+                    # C5: idle inject is appended to history without running the model.
+                    appended = services.messages_append(
+                        session_pk=session.pk,
+                        messages=[
+                            services.NewMessage(
+                                role=Role.USER,
+                                content=inbound.content,
+                                kind=MessageKind.INJECT,
+                                created_at=inbound.received_at,
+                                source=inbound.source(),
+                            )
+                        ],
+                    )
+                    return Ack(appended.session, None, 0, "inject", inbound.client_msg_id), None, appended
+                turn = self._enqueue_locked(
+                    live,
+                    owner_id=inbound.owner.pk,
+                    content=inbound.content,
+                    client_msg_id=inbound.client_msg_id,
+                    source=inbound.source(),
+                    received_at=inbound.received_at,
+                )
+                position = self._position(turn)
+                # An idle steer is a send (C4), acknowledged as such.
+                return Ack(live, str(turn.pk), position, "send" if inbound.mode == "steer" else inbound.mode, inbound.client_msg_id), turn, None
+
+        ack, _turn, appended = services.storage_retry(write, what="admit", session=session)
+        if appended is not None:
+            self.states.apply_appended(appended)
+        return ack
+
+    def _enqueue_locked(
+        self,
+        session: Session,
+        *,
+        owner_id: int,
+        content: str,
+        client_msg_id: str,
+        source: dict[str, Any],
+        received_at: datetime,
+        mode: str = TurnMode.SEND,
+        retry_of: Turn | None = None,
+    ) -> Turn:
+        """Append a queue item; the caller holds the session row lock in a transaction."""
+        queued = Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED).count()
+        if queued >= self.cfg["QUEUE_CAPACITY"]:
+            raise QueueFull()
+        if Turn.objects.filter(status=TurnStatus.QUEUED).count() >= self.cfg["GLOBAL_ADMISSION_BOUND"]:
+            raise Overloaded()
+        Session.objects.filter(pk=session.pk).update(turn_counter=session.turn_counter + 1)
+        session.turn_counter += 1
+        return Turn.objects.create(
+            session_id=session.pk,
+            owner_id=owner_id,
+            number=session.turn_counter,
+            mode=mode,
+            content=content,
+            client_msg_id=client_msg_id,
+            source=source,
+            received_at=received_at,
+            retry_of=retry_of,
+        )
+
+    @staticmethod
+    def _position(turn: Turn) -> int:
+        """How many turns of the dialog are ahead of this one (0 = runs now)."""
+        return Turn.objects.filter(session_id=turn.session_id).filter(
+            Q(status=TurnStatus.RUNNING) | Q(status=TurnStatus.QUEUED, number__lt=turn.number)
+        ).count()
+
+    # --- stop / retry (C6) -------------------------------------------------------------------
+
+    async def stop(self, session: Session) -> StopResult:
+        """Abort the running turn at once, drop unstarted sends and staged steers."""
+        running, dropped = await sync_to_async(self._stop_write)(session)
+        for turn in dropped:
+            await publish.apublish(
+                publish.chat_group(session.channel, session.chat_id),
+                publish.turn_updated_frame(
+                    session_id=session.session_id,
+                    turn_id=str(turn.pk),
+                    status=TurnStatus.CANCELLED,
+                    reason="dropped",
+                    client_msg_id=turn.client_msg_id,
+                ),
+            )
+        if running is not None:
+            await self.signal_cancel(str(running.pk))
+        return StopResult(stopped_running=running is not None, dropped=len(dropped))
+
+    def _stop_write(self, session: Session) -> tuple[Turn | None, list[Turn]]:
+        def write() -> tuple[Turn | None, list[Turn]]:
+            with transaction.atomic():
+                Session.objects.select_for_update().filter(pk=session.pk).first()
+                now = timezone.now()
+                running = Turn.objects.filter(session_id=session.pk, status=TurnStatus.RUNNING).first()
+                if running is not None:
+                    Turn.objects.filter(pk=running.pk).update(cancel_requested=True)
+                dropped = list(Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED))
+                Turn.objects.filter(pk__in=[t.pk for t in dropped]).update(
+                    status=TurnStatus.CANCELLED, reason="dropped", finished_at=now
+                )
+                StagedInput.objects.filter(
+                    session_id=session.pk, status=StagedInput.Status.STAGED, mode=StagedInput.Mode.STEER
+                ).update(status=StagedInput.Status.DROPPED)
+                return running, dropped
+
+        return services.storage_retry(write, what="stop", session=session)
+
+    async def cancel_for_delete(self, session: Session) -> None:
+        """Before a delete: the running turn is cancelled and will find itself stale (C9)."""
+        running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
+        if running is not None:
+            await sync_to_async(Turn.objects.filter(pk=running.pk).update)(cancel_requested=True)
+            await self.signal_cancel(str(running.pk))
+
+    async def signal_cancel(self, turn_id: str) -> None:
+        local = self.local.get(turn_id)
+        if local is not None:
+            local.cancel.set()
+            return
+        layer = get_channel_layer()
+        if layer is not None:
+            await layer.group_send(publish.engine_control_group(), {"type": "engine.cancel", "turn_id": turn_id})
+
+    async def retry(self, session: Session, *, owner: AbstractBaseUser, client_msg_id: str = "") -> Ack:
+        """C6: re-run the last failed or cancelled turn as a new turn, without adding its user
+        message again (a send dropped before it started never had one, so it gets it)."""
+        if self.closing:
+            raise ShuttingDown()
+
+        def write() -> Ack:
+            with transaction.atomic():
+                live = Session.objects.select_for_update().filter(pk=session.pk, deleted_at__isnull=True).first()
+                if live is None:
+                    raise NotFound(_("Dialog not found."))
+                last = Turn.objects.filter(session_id=session.pk).order_by("-number").first()
+                if last is None or last.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED):
+                    raise NothingToRetry()
+                if last.reason == "stale":
+                    raise NothingToRetry()
+                started = last.started_at is not None
+                turn = self._enqueue_locked(
+                    live,
+                    owner_id=owner.pk,
+                    content=last.content,
+                    client_msg_id=client_msg_id,
+                    source=dict(last.source, retry_of=str(last.pk)),
+                    received_at=timezone.now() if started else last.received_at,
+                    mode=TurnMode.RETRY if started else TurnMode.SEND,
+                    retry_of=last,
+                )
+                return Ack(live, str(turn.pk), self._position(turn), "retry", client_msg_id)
+
+        ack = await sync_to_async(services.storage_retry)(write, what="retry", session=session)
+        await self.kick(session.pk)
+        return ack
+
+    # --- queue workers (C1, C3, C11) -------------------------------------------------------
+
+    def _acquire_lease(self, session_pk: str) -> bool:
+        now = timezone.now()
+        expires = now + timedelta(seconds=self.cfg["LEASE_SECONDS"])
+        return bool(
+            Session.objects.filter(pk=session_pk)
+            .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now) | Q(lease_owner=self.process_id))
+            .update(lease_owner=self.process_id, lease_expires_at=expires)
+        )
+
+    def _renew_lease(self, session_pk: str) -> bool:
+        expires = timezone.now() + timedelta(seconds=self.cfg["LEASE_SECONDS"])
+        return bool(
+            Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(lease_expires_at=expires)
+        )
+
+    def _release_lease(self, session_pk: str) -> None:
+        Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(
+            lease_owner="", lease_expires_at=None
+        )
+
+    async def kick(self, session_pk: str) -> None:
+        """Make sure someone runs this dialog's queue: this process if it can take the lease;
+        otherwise the lease holder, which re-reads the queue after every turn."""
+        if self.closing:
+            return
+        worker = self._workers.get(session_pk)
+        if worker is not None and not worker.done():
+            self._wakeups[session_pk].set()
+            return
+        if not await sync_to_async(self._acquire_lease)(session_pk):
+            return
+        self._wakeups[session_pk] = asyncio.Event()
+        try:
+            self._workers[session_pk] = self.supervisor.spawn(f"worker:{session_pk}", self._worker(session_pk))
+        except ShuttingDown:
+            await sync_to_async(self._release_lease)(session_pk)
+
+    async def _worker(self, session_pk: str) -> None:
+        renew = self.supervisor.spawn(f"lease:{session_pk}", self._renew_loop(session_pk))
+        try:
+            await sync_to_async(self._recover_interrupted)(session_pk)
+            while not self.closing:
+                turn = await sync_to_async(self._claim_next)(session_pk)
+                if turn is None:
+                    # Release, then look once more: an item enqueued meanwhile is either seen
+                    # here or its enqueuer takes the lease itself.
+                    await sync_to_async(self._release_lease)(session_pk)
+                    if await sync_to_async(self._has_queued)(session_pk) and await sync_to_async(
+                        self._acquire_lease
+                    )(session_pk):
+                        continue
+                    break
+                await self._run_turn(turn)
+        finally:
+            renew.cancel()
+            self._workers.pop(session_pk, None)
+            self._wakeups.pop(session_pk, None)
+            try:
+                # Idempotent: only releases a lease this process still holds.
+                await asyncio.shield(sync_to_async(self._release_lease)(session_pk))
+            except Exception:
+                logger.warning("lease release failed", extra={"session_id": session_pk})
+
+    async def _renew_loop(self, session_pk: str) -> None:
+        interval = self.cfg["LEASE_SECONDS"] / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await sync_to_async(self._renew_lease)(session_pk):
+                    logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
+            except Exception:
+                logger.exception("lease renewal failed", extra={"session_id": session_pk})
+
+    @staticmethod
+    def _has_queued(session_pk: str) -> bool:
+        return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
+
+    def _claim_next(self, session_pk: str) -> Turn | None:
+        with transaction.atomic():
+            Session.objects.select_for_update().filter(pk=session_pk).first()
+            turn = (
+                Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED)
+                .select_related("session", "owner")
+                .order_by("number")
+                .first()
+            )
+            if turn is None:
+                return None
+            Turn.objects.filter(pk=turn.pk).update(status=TurnStatus.RUNNING, started_at=timezone.now())
+            turn.status = TurnStatus.RUNNING
+            return turn
+
+    def _recover_interrupted(self, session_pk: str) -> list[tuple[Turn, CommitResult]]:
+        """C11: a turn still marked running while we hold a fresh lease belonged to a process
+        that died. Close it as failed (`interrupted`), keeping its checkpointed partial."""
+        results = []
+        for turn in Turn.objects.filter(session_id=session_pk, status=TurnStatus.RUNNING).select_related("session"):
+            if str(turn.pk) in self.local:
+                continue
+            outcome = Failed(FailureKind.INTERRUPTED, detail="process died", partial=turn.partial_text)
+            session = turn.session
+            result = commit_outcome(
+                turn=turn, outcome=outcome, base_generation=session.generation, states=self.states
+            )
+            logger.warning("closed an interrupted turn", extra={"turn_id": str(turn.pk), "session_id": session_pk})
+            publish.publish_to_chat(
+                session,
+                publish.turn_updated_frame(
+                    session_id=session.session_id,
+                    turn_id=str(turn.pk),
+                    status=result.status,
+                    reason=result.reason,
+                    error=result.error,
+                    client_msg_id=turn.client_msg_id,
+                ),
+            )
+            results.append((turn, result))
+        return results
+
+    # --- one turn ------------------------------------------------------------------------
+
+    async def _run_turn(self, turn: Turn) -> None:
+        session = turn.session
+        turn_id = str(turn.pk)
+        log = {"session_id": session.session_id, "turn_id": turn_id}
+        snapshot = TurnSnapshot(turn_id=turn_id)
+        local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot)
+        self.local[turn_id] = local
+        try:
+            try:
+                _appended, generation = await sync_to_async(record_turn_start)(turn=turn, states=self.states)
+            except services.StaleSession:
+                await self._finish(turn, session, Stale(), 0)
+                return
+            except Exception:
+                logger.exception("could not record the user message", extra=log)
+                await self._finish(turn, session, Failed(FailureKind.INPUT_PERSISTENCE, "input write failed"), 0)
+                return
+            session = await sync_to_async(Session.objects.get)(pk=session.pk)
+            local.session = session
+            if session.deleted_at is not None:
+                await self._finish(turn, session, Stale(), generation)
+                return
+            runtime = RuntimeInfo(channel=session.channel, dialog_id=session.dialog_id, title=session.title)
+            exclude = str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
+            try:
+                prepared = await self.builder.prepare(
+                    session_pk=session.pk, runtime=runtime, exclude_turn_partials=exclude
+                )
+            except Exception:
+                logger.exception("context preparation failed", extra=log)
+                await self._finish(turn, session, Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed"), generation)
+                return
+            if prepared.dropped_for_budget:
+                await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=False)
+
+            async def fetch_staged() -> list[Any]:
+                return await sync_to_async(take_staged)(turn=turn)
+
+            runner = TurnRunner(
+                provider=self.provider,
+                tools=self.tools,
+                builder=self.builder,
+                snapshot=snapshot,
+                tool_context=ToolContext(owner_id=turn.owner_id, session_pk=session.pk),
+                fetch_staged=fetch_staged,
+                runtime=runtime,
+                session_pk=session.pk,
+                max_steps=self.cfg["MAX_STEPS"],
+                exclude_turn_partials=exclude,
+            )
+            outcome = await self._run_cancellable(local, runner, prepared)
+            if runner.recovered:
+                await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=False)
+            await self._finish(turn, session, outcome, generation)
+        finally:
+            self.local.pop(turn_id, None)
+            self.turns_finished += 1
+
+    async def _run_cancellable(self, local: LocalTurn, runner: TurnRunner, prepared: Any) -> TurnOutcome:
+        run = asyncio.get_running_loop().create_task(runner.run(prepared), name=f"run:{local.turn_id}")
+        cancel_wait = asyncio.get_running_loop().create_task(local.cancel.wait())
+        publisher = asyncio.get_running_loop().create_task(self._publish_snapshots(local))
+        heartbeat = asyncio.get_running_loop().create_task(self._checkpoint_loop(local))
+        try:
+            await asyncio.wait({run, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                # C6: cancelling the task closes the provider's HTTP stream at once.
+                run.cancel()
+                try:
+                    await run
+                except asyncio.CancelledError:
+                    pass
+                if self.closing:
+                    return Failed(FailureKind.INTERRUPTED, "shutdown", messages=runner.pending, partial=runner.partial)
+                return Cancelled(messages=runner.pending, partial=runner.partial)
+            try:
+                return run.result()
+            except Exception as exc:
+                logger.exception("turn runner failed", extra={"turn_id": local.turn_id})
+                return Failed(FailureKind.AGENT_CREATION, str(exc), messages=runner.pending, partial=runner.partial)
+        finally:
+            for task in (cancel_wait, publisher, heartbeat):
+                task.cancel()
+            await asyncio.gather(cancel_wait, publisher, heartbeat, return_exceptions=True)
+
+    async def _finish(self, turn: Turn, session: Session, outcome: TurnOutcome, generation: int) -> None:
+        try:
+            result = await sync_to_async(commit_outcome)(
+                turn=turn, outcome=outcome, base_generation=generation, states=self.states
+            )
+        except Exception:
+            logger.exception("commit failed", extra={"turn_id": str(turn.pk)})
+            result = CommitResult(
+                TurnStatus.FAILED,
+                error={
+                    "kind": str(FailureKind.TURN_PERSISTENCE),
+                    "message": present_failure(FailureKind.TURN_PERSISTENCE),
+                },
+            )
+        if isinstance(outcome, Failed):
+            logger.warning(
+                "turn failed: %s (%s)", outcome.kind, outcome.provider_kind or outcome.detail,
+                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+            )
+        await publish.apublish(
+            publish.chat_group(session.channel, session.chat_id),
+            publish.turn_updated_frame(
+                session_id=session.session_id,
+                turn_id=str(turn.pk),
+                status=result.status,
+                reason=result.reason,
+                error=result.error,
+                client_msg_id=turn.client_msg_id,
+            ),
+        )
+        if result.status == TurnStatus.COMPLETED:
+            await sync_to_async(background.after_turn)(session_pk=session.pk)
+        await sync_to_async(self._after_turn_staged)(turn, result)
+
+    def _after_turn_staged(self, turn: Turn, result: CommitResult) -> None:
+        """Inputs staged after the last boundary are never lost: injects enter history now;
+        steers after a completed turn become sends (C4: when idle, steer is a send); after a
+        failure steers stay staged for the next send or retry; a stop dropped them."""
+        staged = list(
+            StagedInput.objects.filter(session_id=turn.session_id, status=StagedInput.Status.STAGED).order_by("received_at")
+        )
+        if not staged:
+            return
+        injects = [s for s in staged if s.mode == StagedInput.Mode.INJECT]
+        if injects and result.reason != "stale":
+            appended = services.messages_append(
+                session_pk=turn.session_id,
+                messages=[
+                    services.NewMessage(
+                        role=Role.USER, content=i.content, kind=MessageKind.INJECT,
+                        created_at=i.received_at, source=dict(i.source),
+                    )
+                    for i in injects
+                ],
+                extra=lambda s: StagedInput.objects.filter(pk__in=[i.pk for i in injects]).update(
+                    status=StagedInput.Status.RECORDED
+                ),
+            )
+            self.states.apply_appended(appended)
+        if result.status == TurnStatus.COMPLETED:
+            with transaction.atomic():
+                session = Session.objects.select_for_update().get(pk=turn.session_id)
+                for s in staged:
+                    if s.mode != StagedInput.Mode.STEER:
+                        continue
+                    self._enqueue_locked(
+                        session,
+                        owner_id=turn.owner_id,
+                        content=s.content,
+                        client_msg_id=s.client_msg_id,
+                        source=dict(s.source),
+                        received_at=s.received_at,
+                    )
+                    StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
+
+    # --- snapshots and checkpoints (D1, C11) -------------------------------------------------
+
+    async def _publish_snapshots(self, local: LocalTurn) -> None:
+        """Coalesce to at most SNAPSHOT_FPS frames a second; each frame carries only the new
+        tail of the text (`text_offset`), so bytes grow with the answer."""
+        interval = 1.0 / max(1, self.cfg["SNAPSHOT_FPS"])
+        group = publish.session_group(local.session.pk)
+        snap = local.snapshot
+        published_version = 0
+        while True:
+            await snap.changed.wait()
+            snap.changed.clear()
+            if snap.version == published_version:
+                continue
+            published_version = snap.version
+            await publish.apublish(group, self.snapshot_frame(local, full=False))
+            await asyncio.sleep(interval)
+
+    def snapshot_frame(self, local: LocalTurn, *, full: bool) -> dict[str, Any]:
+        snap = local.snapshot
+        text = snap.text
+        offset = 0 if full else min(local.published_offset, len(text))
+        local.frame += 1
+        if not full:
+            local.published_offset = len(text)
+        return {
+            "type": "turn_snapshot",
+            "session_id": local.session.session_id,
+            "turn_id": local.turn_id,
+            "status": "running",
+            "text_offset": offset,
+            "text": text[offset:],
+            "tools": snap.tools_dicts(),
+            "frame": local.frame,
+        }
+
+    def active_snapshot(self, turn_id: str) -> dict[str, Any] | None:
+        local = self.local.get(turn_id)
+        return self.snapshot_frame(local, full=True) if local is not None else None
+
+    async def _checkpoint_loop(self, local: LocalTurn) -> None:
+        """C11: the partial text goes to the turn record at most every second (never to
+        messages, never per token); the same round trip picks up a stop from elsewhere."""
+        interval = self.cfg["CHECKPOINT_SECONDS"]
+        written = ""
+        while True:
+            await asyncio.sleep(interval)
+            text = local.snapshot.text
+            cancel = await sync_to_async(self._checkpoint)(local.turn_id, None if text == written else text)
+            written = text
+            if cancel:
+                local.cancel.set()
+
+    @staticmethod
+    def _checkpoint(turn_id: str, text: str | None) -> bool:
+        if text is not None:
+            Turn.objects.filter(pk=turn_id).update(partial_text=text)
+        return bool(Turn.objects.filter(pk=turn_id, cancel_requested=True).exists())
+
+    # --- control channel and sweeps --------------------------------------------------------
+
+    async def _control_loop(self) -> None:
+        layer = get_channel_layer()
+        assert layer is not None and self._control_channel is not None
+        while True:
+            try:
+                message = await layer.receive(self._control_channel)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("control channel receive failed")
+                await asyncio.sleep(1)
+                continue
+            kind = message.get("type")
+            if kind == "engine.cancel":
+                local = self.local.get(str(message.get("turn_id")))
+                if local is not None:
+                    local.cancel.set()
+            elif kind == "engine.snapshot_request":
+                frame = self.active_snapshot(str(message.get("turn_id")))
+                reply = message.get("reply_channel")
+                if frame is not None and reply:
+                    await layer.send(reply, {"type": publish.EVENT_TYPE, "frame": frame})
+            elif kind == "engine.kick":
+                await self.kick(str(message.get("session_pk")))
+
+    async def _sweep_loop(self) -> None:
+        """Pick up dialogs with work and no live lease (recovery after a crash, C11), and
+        evict idle session state (A6)."""
+        interval = max(1.0, self.cfg["LEASE_SECONDS"] / 3)
+        last_evict = time.monotonic()
+        while True:
+            try:
+                for pk in await sync_to_async(self._orphaned_sessions)():
+                    await self.kick(pk)
+                if time.monotonic() - last_evict >= self.cfg["CLEANUP_INTERVAL_SECONDS"]:
+                    last_evict = time.monotonic()
+                    self.evict_idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("sweep failed")
+            await asyncio.sleep(interval)
+
+    def evict_idle(self) -> int:
+        busy = {local.session.pk for local in self.local.values()} | set(self._workers)
+        return self.states.evict_expired(busy=busy)
+
+    def _orphaned_sessions(self) -> list[str]:
+        now = timezone.now()
+        qs = Session.objects.filter(
+            turns__status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
+        ).filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+        if self.scope is not None:
+            qs = self.scope(qs)
+        return list(qs.values_list("pk", flat=True).distinct()[:100])
+
+    # --- reading state for clients ---------------------------------------------------------
+
+    def queue_items(self, session_pk: str) -> list[dict[str, Any]]:
+        return [
+            {
+                "turn_id": str(t.pk),
+                "mode": t.mode,
+                "client_msg_id": t.client_msg_id or None,
+                "preview": t.content[:80],
+            }
+            for t in selectors.turn_queue(session_pk=session_pk)
+        ]
+
+    async def wait_idle(self, session_pk: str | None = None, timeout: float = 30.0) -> None:
+        """Wait until this engine has no worker (for one dialog, or at all)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers = [w for pk, w in self._workers.items() if session_pk is None or pk == session_pk]
+            if not workers:
+                return
+            await asyncio.wait(workers, timeout=max(0.0, deadline - time.monotonic()))
+        raise TimeoutError("engine did not become idle")
+

@@ -1,0 +1,1 @@
+"""One turn: input builder -> runner (agent loop) -> committer."""

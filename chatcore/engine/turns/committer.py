@@ -1,0 +1,202 @@
+"""The turn committer (C9): a generation check, then all of a turn's messages and its
+terminal status in one transaction. Completed is published only after that commit; a stale
+turn commits nothing; a persistence failure is never reported as completed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from sessions_app import services
+from sessions_app.models import MessageKind, MessageStatus, Role, Session, StagedInput, Turn, TurnStatus
+
+from ..errors import StorageError
+from ..sessions import SessionStates
+from .outcome import Cancelled, Completed, Failed, FailureKind, PendingMessage, Stale, TurnOutcome, present_failure
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CommitResult:
+    status: str
+    reason: str = ""
+    error: dict[str, str] | None = None
+    appended: services.Appended | None = None
+
+
+def _new(p: PendingMessage) -> services.NewMessage:
+    return services.NewMessage(
+        role=p.role,
+        content=p.content,
+        kind=p.kind,
+        created_at=p.created_at,
+        tool_calls=p.tool_calls,
+        tool_call_id=p.tool_call_id,
+        tool_name=p.tool_name,
+        source=p.source,
+        status=p.status,
+    )
+
+
+def _finish_turn(turn_pk: Any, **fields: Any) -> None:
+    Turn.objects.filter(pk=turn_pk).update(finished_at=timezone.now(), partial_text="", **fields)
+
+
+def _finish_turn_durably(turn_pk: Any, session: Session | None, **fields: Any) -> None:
+    try:
+        services.storage_retry(lambda: _finish_turn(turn_pk, **fields), what="turn_finish", session=session)
+    except StorageError:
+        logger.error("could not record the end of turn %s", turn_pk, extra={"turn_id": str(turn_pk)})
+
+
+def commit_outcome(
+    *,
+    turn: Turn,
+    outcome: TurnOutcome,
+    base_generation: int,
+    states: SessionStates,
+) -> CommitResult:
+    session_pk = turn.session_id
+    if isinstance(outcome, Stale):
+        _finish_turn_durably(turn.pk, None, status=TurnStatus.CANCELLED, reason="stale")
+        return CommitResult(TurnStatus.CANCELLED, reason="stale")
+
+    messages = list(outcome.messages)
+    if isinstance(outcome, Completed):
+        status, reason, error = TurnStatus.COMPLETED, "", None
+        extra_fields: dict[str, Any] = {"usage": outcome.usage}
+    elif isinstance(outcome, Cancelled):
+        status, reason, error = TurnStatus.CANCELLED, outcome.reason, None
+        extra_fields = {}
+        if outcome.partial:
+            messages.append(
+                PendingMessage(
+                    role=Role.ASSISTANT,
+                    content=outcome.partial,
+                    kind=MessageKind.ASSISTANT,
+                    status=MessageStatus.CANCELLED,
+                )
+            )
+    else:
+        assert isinstance(outcome, Failed)
+        status, reason = TurnStatus.FAILED, ""
+        error = {"kind": str(outcome.kind), "message": present_failure(outcome.kind, outcome.provider_kind)}
+        extra_fields = {"error_kind": str(outcome.kind), "error_message": error["message"]}
+        if outcome.partial:
+            messages.append(
+                PendingMessage(
+                    role=Role.ASSISTANT,
+                    content=outcome.partial,
+                    kind=MessageKind.ASSISTANT,
+                    status=MessageStatus.INTERRUPTED,
+                )
+            )
+
+    def finish(session: Session) -> None:
+        _finish_turn(turn.pk, status=status, reason=reason, **extra_fields)
+
+    if not messages:
+        _finish_turn_durably(turn.pk, None, status=status, reason=reason, **extra_fields)
+        return CommitResult(status, reason=reason, error=error)
+    try:
+        appended = services.messages_append(
+            session_pk=session_pk,
+            messages=[_new(m) for m in messages],
+            turn=turn,
+            require_generation=base_generation,
+            extra=finish,
+        )
+    except services.StaleSession:
+        _finish_turn_durably(turn.pk, None, status=TurnStatus.CANCELLED, reason="stale")
+        return CommitResult(TurnStatus.CANCELLED, reason="stale")
+    except StorageError:
+        # C9/C10: the answer was not saved, so it is not reported as completed.
+        failure = {
+            "kind": str(FailureKind.TURN_PERSISTENCE),
+            "message": present_failure(FailureKind.TURN_PERSISTENCE),
+        }
+        _finish_turn_durably(
+            turn.pk,
+            None,
+            status=TurnStatus.FAILED,
+            error_kind=failure["kind"],
+            error_message=failure["message"],
+        )
+        return CommitResult(TurnStatus.FAILED, error=failure)
+    states.apply_appended(appended)
+    return CommitResult(status, reason=reason, error=error, appended=appended)
+
+
+def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Appended | None, int]:
+    """C3: the user message enters history when its turn starts, with its received time.
+    Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
+    appended messages (None for a retry, which adds no user message) and the generation the
+    turn runs against."""
+    new: list[services.NewMessage] = []
+    if turn.mode == "send":
+        new.append(
+            services.NewMessage(
+                role=Role.USER,
+                content=turn.content,
+                kind=MessageKind.USER_INPUT,
+                created_at=turn.received_at,
+                source=dict(turn.source),
+            )
+        )
+    leftovers = list(
+        StagedInput.objects.filter(
+            session_id=turn.session_id, status=StagedInput.Status.STAGED
+        ).order_by("received_at")
+    )
+    for item in leftovers:
+        new.append(
+            services.NewMessage(
+                role=Role.USER,
+                content=item.content,
+                kind=item.mode,
+                created_at=item.received_at,
+                source=dict(item.source),
+            )
+        )
+
+    def mark(session: Session) -> None:
+        StagedInput.objects.filter(pk__in=[i.pk for i in leftovers]).update(
+            status=StagedInput.Status.RECORDED, recorded_in=turn
+        )
+
+    if not new:
+        session = Session.objects.get(pk=turn.session_id)
+        return None, session.generation
+    appended = services.messages_append(session_pk=turn.session_id, messages=new, turn=turn, extra=mark)
+    states.apply_appended(appended)
+    return appended, appended.session.generation
+
+
+def take_staged(*, turn: Turn) -> list[PendingMessage]:
+    """Claim the staged steer/inject inputs of the session for this turn's next boundary."""
+    with transaction.atomic():
+        items = list(
+            StagedInput.objects.select_for_update()
+            .filter(session_id=turn.session_id, status=StagedInput.Status.STAGED)
+            .order_by("received_at")
+        )
+        if not items:
+            return []
+        StagedInput.objects.filter(pk__in=[i.pk for i in items]).update(
+            status=StagedInput.Status.RECORDED, recorded_in=turn
+        )
+    return [
+        PendingMessage(
+            role=Role.USER,
+            content=i.content,
+            kind=i.mode,
+            created_at=i.received_at,
+            source=dict(i.source),
+        )
+        for i in items
+    ]

@@ -1,0 +1,214 @@
+"""The turn runner: the agent loop (C8) over a provider, with tools, step boundaries for
+steer/inject (C4, C5), one overflow recovery (C7), and a latest-wins snapshot (D1).
+
+The runner keeps its progress on itself (`pending`, `snapshot`), so when the engine cancels
+it (C6) the committed-so-far messages and the partial text are still at hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sessions_app.models import MessageKind
+
+from ..provider import ChatProvider, Completion, ProviderError, TextDelta
+from ..tools import ToolContext, ToolRegistry
+from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
+from .outcome import Completed, Failed, FailureKind, PendingMessage, TurnOutcome
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ToolProgress:
+    call_id: str
+    name: str
+    status: str = "running"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"call_id": self.call_id, "name": self.name, "status": self.status}
+
+
+@dataclass
+class TurnSnapshot:
+    """Latest-wins view of a running turn: the answer so far (append-only, so clients can
+    apply tails by offset) and tool progress. `changed` wakes the coalescing publisher."""
+
+    turn_id: str
+    text: str = ""
+    tools: list[ToolProgress] = field(default_factory=list)
+    version: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _bump(self) -> None:
+        self.version += 1
+        self.changed.set()
+
+    def append_text(self, piece: str) -> None:
+        self.text += piece
+        self._bump()
+
+    def tool_started(self, call_id: str, name: str) -> None:
+        self.tools.append(ToolProgress(call_id, name))
+        self._bump()
+
+    def tool_finished(self, call_id: str, ok: bool) -> None:
+        for t in self.tools:
+            if t.call_id == call_id:
+                t.status = "ok" if ok else "error"
+        self._bump()
+
+    def tools_dicts(self) -> list[dict[str, str]]:
+        return [t.as_dict() for t in self.tools]
+
+
+StagedFetch = Callable[[], Awaitable[list[PendingMessage]]]
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        *,
+        provider: ChatProvider,
+        tools: ToolRegistry,
+        builder: TurnInputBuilder,
+        snapshot: TurnSnapshot,
+        tool_context: ToolContext,
+        fetch_staged: StagedFetch,
+        runtime: RuntimeInfo,
+        session_pk: str,
+        max_steps: int,
+        exclude_turn_partials: str | None = None,
+    ) -> None:
+        self.provider = provider
+        self.tools = tools
+        self.builder = builder
+        self.snapshot = snapshot
+        self.tool_context = tool_context
+        self.fetch_staged = fetch_staged
+        self.runtime = runtime
+        self.session_pk = session_pk
+        self.max_steps = max_steps
+        self.exclude_turn_partials = exclude_turn_partials
+        self.pending: list[PendingMessage] = []
+        self.step_text = ""
+        self.usage: dict[str, Any] = {}
+        self.recovered = False
+        self.requests = 0
+
+    @property
+    def partial(self) -> str:
+        """Text of the step in progress (what a cancel keeps as a partial message)."""
+        return self.step_text
+
+    async def run(self, prepared: PreparedInput) -> TurnOutcome:
+        messages = list(prepared.messages)
+        step = 0
+        while True:
+            step += 1
+            last_step = step >= self.max_steps
+            tools = None if last_step else (self.tools.schemas() or None)
+            try:
+                completion = await self._one_request(messages, tools)
+            except ProviderError as exc:
+                if exc.kind == "context_overflow" and not self.recovered and not self.step_text:
+                    # C7: rebuild through the same path with a tighter budget, once per turn.
+                    self.recovered = True
+                    logger.info("context overflow; rebuilding input with a tighter budget")
+                    prepared = await self.builder.recover_after_overflow(
+                        session_pk=self.session_pk,
+                        runtime=self.runtime,
+                        pending=self.pending,
+                        exclude_turn_partials=self.exclude_turn_partials,
+                    )
+                    messages = list(prepared.messages)
+                    step -= 1
+                    continue
+                return Failed(
+                    FailureKind.PROVIDER,
+                    detail=str(exc),
+                    messages=self.pending,
+                    partial=self.step_text,
+                    provider_kind=exc.kind,
+                )
+            self._add_usage(completion.usage)
+            text = completion.text
+            if completion.tool_calls:
+                call_msg = PendingMessage(
+                    role="assistant",
+                    content=text,
+                    kind=MessageKind.ASSISTANT,
+                    tool_calls=[c.as_openai() for c in completion.tool_calls],
+                )
+                self._record(call_msg, messages)
+                self.step_text = ""
+                for call in completion.tool_calls:
+                    self.snapshot.tool_started(call.id, call.name)
+                    ok, result = await self.tools.call(call.name, call.arguments, self.tool_context)
+                    self.snapshot.tool_finished(call.id, ok)
+                    self._record(
+                        PendingMessage(
+                            role="tool",
+                            content=result,
+                            kind=MessageKind.TOOL_RESULT,
+                            tool_call_id=call.id,
+                            tool_name=call.name,
+                        ),
+                        messages,
+                    )
+            else:
+                self._record(
+                    PendingMessage(role="assistant", content=text, kind=MessageKind.ASSISTANT),
+                    messages,
+                )
+                self.step_text = ""
+            # Step boundary: staged steer/inject take their place here, in order (C4, C5).
+            staged = await self.fetch_staged()
+            steered = False
+            for item in staged:
+                self._record(item, messages)
+                steered = steered or item.kind == MessageKind.STEER
+            if completion.tool_calls and not last_step:
+                continue
+            if steered and not last_step:
+                # C4: a steer causes one more step.
+                continue
+            return Completed(messages=self.pending, usage=self.usage)
+
+    async def _one_request(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> Completion:
+        self.requests += 1
+        started = time.monotonic()
+        if self.pending and self.snapshot.text and not self.snapshot.text.endswith("\n\n"):
+            separator_pending = True
+        else:
+            separator_pending = False
+        async for event in self.provider.stream(messages=messages, tools=tools, purpose="turn"):
+            if isinstance(event, TextDelta):
+                if separator_pending:
+                    # The snapshot is append-only; separate the steps' texts once.
+                    self.snapshot.append_text("\n\n")
+                    separator_pending = False
+                self.step_text += event.text
+                self.snapshot.append_text(event.text)
+            elif isinstance(event, Completion):
+                logger.debug("model step took %.3fs", time.monotonic() - started)
+                return event
+        raise ProviderError("bad_response", "the model stream ended without a result")
+
+    def _record(self, message: PendingMessage, messages: list[dict[str, Any]]) -> None:
+        from .builder import message_to_openai
+
+        self.pending.append(message)
+        messages.append(message_to_openai(message))
+
+    def _add_usage(self, usage: dict[str, Any]) -> None:
+        for key, value in (usage or {}).items():
+            if isinstance(value, int):
+                self.usage[key] = self.usage.get(key, 0) + value

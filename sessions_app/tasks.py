@@ -1,0 +1,51 @@
+"""Celery tasks (STYLE 7): thin wrappers that take ids and call engine functions. Each is
+idempotent (titles commit only over a default title; compactions only past the newest one),
+acknowledged late, time-limited in settings, and retried only for transient failures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from celery import shared_task
+from django.db import DatabaseError
+
+logger = logging.getLogger(__name__)
+
+
+@shared_task(
+    acks_late=True,
+    autoretry_for=(DatabaseError,),
+    retry_backoff=True,
+    max_retries=3,
+    soft_time_limit=60,
+    time_limit=90,
+)
+def generate_title(session_pk: str) -> str | None:
+    from chatcore.engine import background
+
+    return asyncio.run(background.generate_title(session_pk=session_pk))
+
+
+@shared_task(
+    acks_late=True,
+    autoretry_for=(DatabaseError,),
+    retry_backoff=True,
+    max_retries=3,
+    soft_time_limit=90,
+    time_limit=120,
+)
+def compact_session(session_pk: str, manual: bool = False) -> int | None:
+    from chatcore.engine import background
+
+    return asyncio.run(background.compact_session(session_pk=session_pk, manual=manual))
+
+
+@shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
+def purge_deleted_sessions() -> int:
+    from sessions_app import services
+
+    count = services.sessions_purge_expired()
+    if count:
+        logger.info("purged %d dialogs past retention", count)
+    return count

@@ -1,0 +1,43 @@
+"""Helpers for engine tests: make a dialog, send, and read what clients would see."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asgiref.sync import sync_to_async
+
+from chatcore.engine import publish
+from chatcore.engine.engine import Engine, Inbound
+from sessions_app import services
+from sessions_app.models import Message, Session, Turn
+
+
+async def make_dialog(user: Any, dialog_id: str = "default", channel: str = "web") -> Session:
+    return await sync_to_async(services.session_create)(
+        owner=user, channel=channel, chat_id=f"u{user.pk}", dialog_id=dialog_id
+    )
+
+
+def chat_group_of(session: Session) -> str:
+    return publish.chat_group(session.channel, session.chat_id)
+
+
+async def send(engine: Engine, session: Session, content: str, mode: str = "send", **kw: Any) -> Any:
+    inbound = Inbound(
+        owner=session.owner,
+        channel=session.channel,
+        chat_id=session.chat_id,
+        content=content,
+        sender_id=str(session.owner_id),
+        mode=mode,
+        **kw,
+    )
+    return await engine.submit(inbound, session)
+
+
+async def history(session: Session) -> list[Message]:
+    return await sync_to_async(lambda: list(Message.objects.filter(session_id=session.pk).order_by("seq")))()
+
+
+async def turn(turn_id: str) -> Turn:
+    return await sync_to_async(Turn.objects.get)(pk=turn_id)

@@ -1,0 +1,474 @@
+"""The operators' admin (SPEC E2): browse, search and filter dialogs, read their messages in
+order, rename, soft delete, restore and purge them; look at turns, memory notes and API tokens,
+issue and revoke tokens (F2).
+
+Every write goes through `services`, never through a ModelAdmin's default `save()`/`delete()`,
+so that renames, deletes and restores bump the state version and reach connected clients just
+as they do from the web chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.core.exceptions import ValidationError
+from django.core.paginator import Page, Paginator
+from django.db.models import QuerySet
+from django.forms.models import BaseInlineFormSet
+from django.http import HttpRequest, HttpResponse
+from django.template.defaultfilters import linebreaksbr
+from django.template.response import TemplateResponse
+from django.utils.text import Truncator
+from django.utils.translation import gettext, ngettext
+from django.utils.translation import gettext_lazy as _
+
+from chatcore.engine.errors import ChatError
+
+from . import services
+from .models import ApiToken, MemoryNote, Message, Session, TitleSource, Turn
+
+# E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
+MESSAGE_PAGE_SIZE = 100
+MESSAGE_PAGE_PARAM = "messages_page"
+INLINE_CONTENT_CHARS = 1000
+LIST_CONTENT_CHARS = 80
+
+
+# --- Dialogs ------------------------------------------------------------------------------
+
+
+class DeletedFilter(admin.SimpleListFilter):
+    """A7: soft-deleted dialogs stay visible to operators until they are purged."""
+
+    title = _("state")
+    parameter_name = "deleted"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, Any]]:
+        return [("live", _("Live")), ("deleted", _("Deleted"))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "live":
+            return queryset.filter(deleted_at__isnull=True)
+        if self.value() == "deleted":
+            return queryset.filter(deleted_at__isnull=False)
+        return queryset
+
+
+class MessageWindowFormSet(BaseInlineFormSet):
+    """An inline formset over one page of a dialog's messages; the page drives the
+    navigation links in the inline's template."""
+
+    def __init__(self, *args: Any, page: Page[Any] | None = None, **kwargs: Any) -> None:
+        self.page = page
+        self.page_range = (
+            list(page.paginator.get_elided_page_range(page.number)) if page is not None else []
+        )
+        super().__init__(*args, **kwargs)
+
+
+class MessageInline(admin.TabularInline):
+    """E2: the read-only, seq-ordered message view of a dialog."""
+
+    model = Message
+    formset = MessageWindowFormSet
+    template = "admin/sessions_app/session/message_inline.html"
+    fields = ("seq", "role", "content_preview", "status", "created_at")
+    readonly_fields = fields
+    ordering = ("seq",)
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description=_("content"))
+    def content_preview(self, obj: Message) -> str:
+        # Long answers are cut here; the message's own page shows all of it.
+        return linebreaksbr(Truncator(obj.content).chars(INLINE_CONTENT_CHARS), autoescape=True)
+
+
+class SessionAdminForm(forms.ModelForm):
+    class Meta:
+        model = Session
+        fields = ("title",)
+
+    def clean_title(self) -> str:
+        # The same rules as a rename from the web chat (B4), reported as a form error.
+        try:
+            return services.clean_title(self.cleaned_data.get("title"))
+        except ChatError as exc:
+            raise ValidationError(exc.message) from exc
+
+
+@admin.register(Session)
+class SessionAdmin(admin.ModelAdmin):
+    form = SessionAdminForm
+    inlines = (MessageInline,)
+    list_display = (
+        "session_id_display",
+        "title",
+        "owner",
+        "channel",
+        "message_count",
+        "last_active_at",
+        "is_deleted_display",
+    )
+    list_select_related = ("owner",)
+    list_filter = (
+        "channel",
+        ("last_active_at", admin.DateFieldListFilter),
+        DeletedFilter,
+    )
+    date_hierarchy = "last_active_at"
+    # Django adds DISTINCT itself when a search term goes through messages__content.
+    search_fields = ("title", "chat_id", "channel", "owner__username", "messages__content")
+    actions = ("soft_delete_selected", "restore_selected", "purge_selected")
+    fieldsets = (
+        (
+            None,
+            {
+                "fields": (
+                    "session_id_display",
+                    "title",
+                    "title_source",
+                    "owner",
+                    "channel",
+                    "chat_id",
+                    "dialog_id",
+                )
+            },
+        ),
+        (
+            _("Activity"),
+            {
+                "fields": (
+                    "created_at",
+                    "last_active_at",
+                    "deleted_at",
+                    "message_count",
+                    "total_message_count",
+                )
+            },
+        ),
+        (
+            _("Engine state"),
+            {
+                "classes": ("collapse",),
+                "fields": (
+                    "last_seq",
+                    "state_version",
+                    "turn_counter",
+                    "lease_owner",
+                    "lease_expires_at",
+                    "plan",
+                ),
+            },
+        ),
+    )
+    # Everything but the title is read-only (E2): the rest belongs to the engine.
+    readonly_fields = (
+        "session_id_display",
+        "title_source",
+        "owner",
+        "channel",
+        "chat_id",
+        "dialog_id",
+        "created_at",
+        "last_active_at",
+        "deleted_at",
+        "message_count",
+        "total_message_count",
+        "last_seq",
+        "state_version",
+        "turn_counter",
+        "lease_owner",
+        "lease_expires_at",
+        "plan",
+    )
+
+    @admin.display(description=_("session id"))
+    def session_id_display(self, obj: Session) -> str:
+        return obj.session_id
+
+    @admin.display(description=_("deleted"), boolean=True, ordering="deleted_at")
+    def is_deleted_display(self, obj: Session) -> bool:
+        return obj.is_deleted
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        # Dialogs are created by their owners through a channel, which checks the chat (A1).
+        return False
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        # The bulk delete would bypass services; purge_selected replaces it.
+        actions.pop("delete_selected", None)
+        return actions
+
+    def get_formset_kwargs(
+        self, request: HttpRequest, obj: Any, inline: Any, prefix: str
+    ) -> dict[str, Any]:
+        params = super().get_formset_kwargs(request, obj, inline, prefix)
+        if isinstance(inline, MessageInline) and obj is not None and obj.pk is not None:
+            params["queryset"], params["page"] = self._message_window(request, obj, params)
+        return params
+
+    def _message_window(
+        self, request: HttpRequest, obj: Session, params: dict[str, Any]
+    ) -> tuple[QuerySet[Message], Page[Any]]:
+        # A formset cannot take a sliced queryset, so the page is cut out by its seq range.
+        queryset: QuerySet[Message] = params["queryset"].filter(session=obj).order_by("seq")
+        paginator = Paginator(queryset.values_list("seq", flat=True), MESSAGE_PAGE_SIZE)
+        page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
+        seqs = list(page.object_list)
+        if seqs:
+            queryset = queryset.filter(seq__gte=seqs[0], seq__lte=seqs[-1])
+        return queryset, page
+
+    def save_model(self, request: HttpRequest, obj: Session, form: Any, change: bool) -> None:
+        # Only the title is editable, and a rename goes through the service so that it wins
+        # over automatic titles (B4) and reaches connected clients; a default save() would
+        # also write back stale counters of a dialog that is being used right now.
+        if change and "title" in form.changed_data:
+            try:
+                services.session_rename(
+                    session=obj, title=form.cleaned_data["title"], source=TitleSource.OPERATOR
+                )
+            except ChatError as exc:
+                self.message_user(request, exc.message, level=messages.ERROR)
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        # The message inline is read-only; nothing of a dialog's history is written here.
+        return None
+
+    def construct_change_message(
+        self, request: HttpRequest, form: Any, formsets: Any, add: bool = False
+    ) -> Any:
+        # The unsaved read-only inline has nothing to report (and no saved-object lists).
+        return super().construct_change_message(request, form, [], add)
+
+    def delete_model(self, request: HttpRequest, obj: Session) -> None:
+        services.session_purge(session=obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
+        for session in queryset:
+            services.session_purge(session=session)
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
+        # Purging cascades in the database (A7). Listing every message would make the page
+        # unusable, and the read-only message and turn admins must not veto the purge.
+        sessions = list(objs)
+        return [str(s) for s in sessions], self._purge_summary(sessions), set(), []
+
+    def _purge_summary(self, sessions: list[Session]) -> dict[str, int]:
+        pks = [s.pk for s in sessions]
+        return {
+            str(Session._meta.verbose_name_plural): len(sessions),
+            str(Message._meta.verbose_name_plural): Message.objects.filter(session__in=pks).count(),
+            str(Turn._meta.verbose_name_plural): Turn.objects.filter(session__in=pks).count(),
+        }
+
+    @admin.action(permissions=["change"], description=_("Soft delete selected dialogs"))
+    def soft_delete_selected(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
+        done = 0
+        for session in queryset.filter(deleted_at__isnull=True):
+            try:
+                services.session_soft_delete(session=session)
+            except ChatError as exc:
+                self._report_failure(request, session, exc)
+                continue
+            done += 1
+        self.message_user(
+            request,
+            ngettext("Soft-deleted %(n)d dialog.", "Soft-deleted %(n)d dialogs.", done)
+            % {"n": done},
+            level=messages.SUCCESS,
+        )
+
+    @admin.action(permissions=["change"], description=_("Restore selected dialogs"))
+    def restore_selected(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
+        done = 0
+        for session in queryset.filter(deleted_at__isnull=False):
+            try:
+                services.session_restore(session=session)
+            except ChatError as exc:
+                # A7: a live dialog has taken the id; the operator resolves it by hand.
+                self._report_failure(request, session, exc)
+                continue
+            done += 1
+        self.message_user(
+            request,
+            ngettext("Restored %(n)d dialog.", "Restored %(n)d dialogs.", done) % {"n": done},
+            level=messages.SUCCESS if done else messages.WARNING,
+        )
+
+    @admin.action(permissions=["delete"], description=_("Hard delete (purge) selected dialogs"))
+    def purge_selected(
+        self, request: HttpRequest, queryset: QuerySet[Session]
+    ) -> HttpResponse | None:
+        # A purge cannot be undone, so it asks first, like Django's own bulk delete.
+        if request.POST.get("post") != "yes":
+            sessions = list(queryset.select_related("owner"))
+            context = {
+                **self.admin_site.each_context(request),
+                "title": gettext("Purge dialogs"),
+                "opts": self.opts,
+                "sessions": sessions,
+                "summary": self._purge_summary(sessions),
+                "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+                "media": self.media,
+            }
+            request.current_app = self.admin_site.name
+            return TemplateResponse(
+                request, "admin/sessions_app/session/purge_confirmation.html", context
+            )
+        done = 0
+        for session in queryset:
+            try:
+                services.session_purge(session=session)
+            except ChatError as exc:
+                self._report_failure(request, session, exc)
+                continue
+            done += 1
+        self.message_user(
+            request,
+            ngettext("Purged %(n)d dialog.", "Purged %(n)d dialogs.", done) % {"n": done},
+            level=messages.SUCCESS,
+        )
+        return None
+
+    def _report_failure(self, request: HttpRequest, session: Session, exc: ChatError) -> None:
+        self.message_user(request, f"{session.session_id}: {exc.message}", level=messages.ERROR)
+
+
+# --- Messages and turns (read-only) -------------------------------------------------------
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """History and turns are written by the engine only (C2, A3)."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Message)
+class MessageAdmin(ReadOnlyAdmin):
+    list_display = ("session", "seq", "role", "short_content", "created_at")
+    list_select_related = ("session",)
+    list_filter = ("role",)
+    search_fields = ("content",)
+    # Matches the (session, seq) index and reads a dialog in order when filtered to it.
+    ordering = ("session_id", "seq")
+    # Counting every message on each page load is the slowest part of this list.
+    show_full_result_count = False
+
+    @admin.display(description=_("content"))
+    def short_content(self, obj: Message) -> str:
+        return Truncator(obj.content).chars(LIST_CONTENT_CHARS)
+
+
+@admin.register(Turn)
+class TurnAdmin(ReadOnlyAdmin):
+    list_display = (
+        "session",
+        "status",
+        "reason",
+        "error_kind",
+        "mode",
+        "started_at",
+        "finished_at",
+    )
+    list_select_related = ("session",)
+    list_filter = ("status", "mode")
+    show_full_result_count = False
+
+
+# --- Memory notes and API tokens ----------------------------------------------------------
+
+
+@admin.register(MemoryNote)
+class MemoryNoteAdmin(admin.ModelAdmin):
+    list_display = ("owner", "short_content", "created_at")
+    list_select_related = ("owner",)
+    search_fields = ("content", "owner__username")
+    fields = ("owner", "content")
+    raw_id_fields = ("owner",)
+
+    @admin.display(description=_("content"))
+    def short_content(self, obj: MemoryNote) -> str:
+        return Truncator(obj.content).chars(LIST_CONTENT_CHARS)
+
+
+@admin.register(ApiToken)
+class ApiTokenAdmin(admin.ModelAdmin):
+    """F2: tokens are issued here or by a management command; only a hash is stored, so the
+    key is shown once, right after it is issued."""
+
+    list_display = ("user", "name", "prefix", "created_at", "last_used_at", "is_revoked")
+    list_select_related = ("user",)
+    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
+    search_fields = ("name", "prefix", "user__username")
+    raw_id_fields = ("user",)
+    actions = ("revoke_selected",)
+    # key_hash is in neither list: it is never displayed.
+    add_fields = ("user", "name")
+    change_fields = ("user", "name", "prefix", "created_at", "last_used_at", "revoked_at")
+
+    @admin.display(description=_("revoked"), boolean=True, ordering="revoked_at")
+    def is_revoked(self, obj: ApiToken) -> bool:
+        return obj.revoked_at is not None
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return self.change_fields if obj is not None else self.add_fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # An issued token is immutable; revoking is an action.
+        return self.change_fields if obj is not None else ()
+
+    def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
+        if change:
+            # Nothing is editable, and a save() would write back a stale revoked_at.
+            return
+        token, raw = services.api_token_issue(
+            user=form.cleaned_data["user"], name=form.cleaned_data.get("name") or ""
+        )
+        # The admin logs and redirects to `obj`, so it becomes the issued row.
+        for field in ApiToken._meta.concrete_fields:
+            setattr(obj, field.attname, getattr(token, field.attname))
+        obj._state.adding = False
+        obj._state.db = token._state.db
+        self.message_user(
+            request,
+            gettext(
+                "New API token for %(user)s: %(key)s — copy it now, it will not be shown again."
+            )
+            % {"user": token.user, "key": raw},
+            level=messages.WARNING,
+        )
+
+    @admin.action(permissions=["change"], description=_("Revoke selected tokens"))
+    def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
+        done = 0
+        for token in queryset.filter(revoked_at__isnull=True):
+            services.api_token_revoke(token=token)
+            done += 1
+        self.message_user(
+            request,
+            ngettext("Revoked %(n)d token.", "Revoked %(n)d tokens.", done) % {"n": done},
+            level=messages.SUCCESS,
+        )

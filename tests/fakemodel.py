@@ -63,6 +63,8 @@ class FakeModelServer:
         self.replies: list[Reply | Callable[[dict[str, Any]], Reply]] = []
         self.default: Callable[[dict[str, Any]], Reply] = echo_reply
         self.requests: list[RecordedRequest] = []
+        self.active = 0
+        self.max_active = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -84,6 +86,11 @@ class FakeModelServer:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
+            current = asyncio.current_task()
+            handlers = [t for t in asyncio.all_tasks() if t is not current]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -109,6 +116,16 @@ class FakeModelServer:
             time.sleep(0.01)
         raise AssertionError(f"expected {n} requests, got {len(self.requests)}")
 
+    async def requests_made(self, n: int, timeout: float = 10.0) -> list[RecordedRequest]:
+        """Async wait (never block the test's event loop) for n requests."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.requests) < n:
+            if loop.time() > deadline:
+                raise AssertionError(f"expected {n} requests, got {len(self.requests)}")
+            await asyncio.sleep(0.01)
+        return self.requests
+
     # --- HTTP ----------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -127,11 +144,16 @@ class FakeModelServer:
                     self.requests.append(record)
                     reply_src = self.replies.pop(0) if self.replies else self.default
                 reply = reply_src(body) if callable(reply_src) else reply_src
-                keep = await self._respond(reply, record, reader, writer)
+                self.active += 1
+                self.max_active = max(self.max_active, self.active)
+                try:
+                    keep = await self._respond(reply, record, reader, writer)
+                finally:
+                    self.active -= 1
                 record.finished.set()
                 if not keep:
                     break
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
             writer.close()
@@ -143,6 +165,9 @@ class FakeModelServer:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> bool:
+        if reply.gate is not None and reply.status != 200:
+            while not reply.gate.is_set():
+                await asyncio.sleep(0.01)
         if reply.status != 200:
             payload = json.dumps(reply.error or {"error": {"message": "fake failure"}}).encode()
             writer.write(

@@ -128,6 +128,7 @@ class LocalTurn:
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     frame: int = 0
     published_offset: int = 0
+    published_version: int = 0
 
 
 def _process_id() -> str:
@@ -176,8 +177,8 @@ class Engine:
         if layer is not None:
             self._control_channel = await layer.new_channel("engine.")
             await layer.group_add(publish.engine_control_group(), self._control_channel)
-            self.supervisor.spawn("control", self._control_loop())
-        self.supervisor.spawn("sweep", self._sweep_loop())
+            self.supervisor.spawn("control", self._control_loop(), daemon=True)
+        self.supervisor.spawn("sweep", self._sweep_loop(), daemon=True)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Refuse new work, end running turns as interrupted (their queued successors stay
@@ -428,11 +429,13 @@ class Engine:
     # --- queue workers (C1, C3, C11) -------------------------------------------------------
 
     def _acquire_lease(self, session_pk: str) -> bool:
+        """Take a free or expired lease. Not re-entrant: two workers of one process never
+        run the same dialog, and a live lease of another process is never stolen (C11)."""
         now = timezone.now()
         expires = now + timedelta(seconds=self.cfg["LEASE_SECONDS"])
         return bool(
             Session.objects.filter(pk=session_pk)
-            .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now) | Q(lease_owner=self.process_id))
+            .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
             .update(lease_owner=self.process_id, lease_expires_at=expires)
         )
 
@@ -458,6 +461,11 @@ class Engine:
             return
         if not await sync_to_async(self._acquire_lease)(session_pk):
             return
+        worker = self._workers.get(session_pk)
+        if worker is not None and not worker.done():
+            # Another kick of this process won meanwhile; it cannot hold our lease, but be safe.
+            self._wakeups[session_pk].set()
+            return
         self._wakeups[session_pk] = asyncio.Event()
         try:
             self._workers[session_pk] = self.supervisor.spawn(f"worker:{session_pk}", self._worker(session_pk))
@@ -465,30 +473,38 @@ class Engine:
             await sync_to_async(self._release_lease)(session_pk)
 
     async def _worker(self, session_pk: str) -> None:
-        renew = self.supervisor.spawn(f"lease:{session_pk}", self._renew_loop(session_pk))
+        wake = self._wakeups[session_pk]
+        renew = self.supervisor.spawn(
+            f"lease:{session_pk}", self._renew_loop(session_pk), daemon=True
+        )
+        holding = True
         try:
             await sync_to_async(self._recover_interrupted)(session_pk)
             while not self.closing:
+                wake.clear()
                 turn = await sync_to_async(self._claim_next)(session_pk)
-                if turn is None:
-                    # Release, then look once more: an item enqueued meanwhile is either seen
-                    # here or its enqueuer takes the lease itself.
-                    await sync_to_async(self._release_lease)(session_pk)
-                    if await sync_to_async(self._has_queued)(session_pk) and await sync_to_async(
-                        self._acquire_lease
-                    )(session_pk):
+                if turn is not None:
+                    await self._run_turn(turn)
+                    continue
+                # Release, then look once more: an item enqueued meanwhile is either seen
+                # here or its enqueuer's kick finds no worker and takes the lease itself.
+                await sync_to_async(self._release_lease)(session_pk)
+                holding = False
+                if await sync_to_async(self._has_queued)(session_pk) or wake.is_set():
+                    if await sync_to_async(self._acquire_lease)(session_pk):
+                        holding = True
                         continue
-                    break
-                await self._run_turn(turn)
+                # No await from the last check to the pop below (kick runs only at awaits).
+                break
         finally:
             renew.cancel()
             self._workers.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
-            try:
-                # Idempotent: only releases a lease this process still holds.
-                await asyncio.shield(sync_to_async(self._release_lease)(session_pk))
-            except Exception:
-                logger.warning("lease release failed", extra={"session_id": session_pk})
+            if holding:
+                try:
+                    await asyncio.shield(sync_to_async(self._release_lease)(session_pk))
+                except Exception:
+                    logger.warning("lease release failed", extra={"session_id": session_pk})
 
     async def _renew_loop(self, session_pk: str) -> None:
         interval = self.cfg["LEASE_SECONDS"] / 3
@@ -632,6 +648,7 @@ class Engine:
             for task in (cancel_wait, publisher, heartbeat):
                 task.cancel()
             await asyncio.gather(cancel_wait, publisher, heartbeat, return_exceptions=True)
+            await self._flush_snapshot(local)
 
     async def _finish(self, turn: Turn, session: Session, outcome: TurnOutcome, generation: int) -> None:
         try:
@@ -716,15 +733,22 @@ class Engine:
         interval = 1.0 / max(1, self.cfg["SNAPSHOT_FPS"])
         group = publish.session_group(local.session.pk)
         snap = local.snapshot
-        published_version = 0
         while True:
             await snap.changed.wait()
             snap.changed.clear()
-            if snap.version == published_version:
+            if snap.version == local.published_version:
                 continue
-            published_version = snap.version
+            local.published_version = snap.version
             await publish.apublish(group, self.snapshot_frame(local, full=False))
             await asyncio.sleep(interval)
+
+    async def _flush_snapshot(self, local: LocalTurn) -> None:
+        """One last frame before the terminal when the coalescer held back a change."""
+        if local.snapshot.version != local.published_version:
+            local.published_version = local.snapshot.version
+            await publish.apublish(
+                publish.session_group(local.session.pk), self.snapshot_frame(local, full=False)
+            )
 
     def snapshot_frame(self, local: LocalTurn, *, full: bool) -> dict[str, Any]:
         snap = local.snapshot

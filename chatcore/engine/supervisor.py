@@ -17,6 +17,7 @@ class TaskSupervisor:
     def __init__(self, name: str = "engine") -> None:
         self.name = name
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._daemons: set[asyncio.Task[Any]] = set()
         self._closing = False
 
     @property
@@ -30,23 +31,32 @@ class TaskSupervisor:
         """Refuse new tasks from now on."""
         self._closing = True
 
-    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def spawn(
+        self, name: str, coro: Coroutine[Any, Any, Any], *, daemon: bool = False
+    ) -> asyncio.Task[Any]:
+        """Run `coro` as a tracked task. Daemons (housekeeping loops) are cancelled at once on
+        shutdown; other tasks get the grace period to finish."""
         if self._closing:
             coro.close()
             raise ShuttingDown()
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
         self._tasks.add(task)
+        if daemon:
+            self._daemons.add(task)
         task.add_done_callback(self._reap)
         return task
 
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
+        self._daemons.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("supervised task %s failed", task.get_name(), exc_info=task.exception())
 
     async def shutdown(self, *, grace: float) -> None:
         """Refuse new tasks, give running ones `grace` seconds, then cancel and reap them."""
         self.close()
+        for task in list(self._daemons):
+            task.cancel()
         pending = set(self._tasks)
         if not pending:
             return

@@ -1,0 +1,193 @@
+"""The terminal channel (E4): `python manage.py chat`. One line of stdin is one send; slash
+commands work; replies stream to stdout. At end of input it waits for the last turn, then
+exits. It runs its own engine, which shares the database (and its leases) with any server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db.models import QuerySet
+
+from chatcore.engine import commands, publish, runtime
+from chatcore.engine.engine import Engine, Inbound
+from chatcore.engine.errors import ChatError
+from chatcore.engine.ids import owner_chat_id, validate_part
+from chatcore.engine.sessions import resolve_dialog
+from sessions_app.models import Session
+
+CHANNEL = "cli"
+
+
+class Terminal:
+    """Reads lines, forwards them to the engine, prints what the chat's clients would see."""
+
+    def __init__(self, *, user: Any, chat_id: str, dialog_id: str | None, out: Any, err: Any) -> None:
+        self.user = user
+        self.chat_id = chat_id
+        self.dialog_id = dialog_id
+        self.out = out
+        self.err = err
+        self.current: Session | None = None
+        self.pending: set[str] = set()
+        self.printed: dict[str, str] = {}
+        self.all_done = asyncio.Event()
+        self.all_done.set()
+        self.layer = get_channel_layer()
+        self.channel = ""
+        self.session_group = ""
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    async def run(self) -> None:
+        engine = Engine(scope=self._scope)
+        await engine.start()
+        runtime.set_engine(engine)
+        try:
+            self.current = await sync_to_async(resolve_dialog)(
+                owner=self.user, channel=CHANNEL, chat_id=self.chat_id,
+                dialog_id=self.dialog_id, create=True,
+            )
+            self.channel = await self.layer.new_channel("cli.")
+            await self.layer.group_add(publish.chat_group(CHANNEL, self.chat_id), self.channel)
+            await self._follow(self.current)
+            listener = engine.supervisor.spawn("cli-listen", self._listen(), daemon=True)
+            self.err.write(f"[dialog {self.current.dialog_id}: {self.current.title}] /help lists commands\n")
+            loop = asyncio.get_running_loop()
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line:
+                    break
+                text = line.rstrip("\r\n")
+                if not text.strip():
+                    continue
+                await self._handle(engine, text)
+            await self.all_done.wait()
+            listener.cancel()
+        finally:
+            await engine.shutdown(grace=5)
+            runtime.set_engine(None)
+
+    def _scope(self, qs: QuerySet[Session]) -> QuerySet[Session]:
+        # The terminal resumes only its own chat's interrupted work (C11).
+        return qs.filter(channel=CHANNEL, chat_id=self.chat_id)
+
+    async def _follow(self, session: Session) -> None:
+        if self.session_group:
+            await self.layer.group_discard(self.session_group, self.channel)
+        self.session_group = publish.session_group(session.pk)
+        await self.layer.group_add(self.session_group, self.channel)
+
+    async def _handle(self, engine: Engine, text: str) -> None:
+        assert self.current is not None
+        if commands.is_command(text):
+            ctx = commands.CommandContext(
+                owner=self.user, channel=CHANNEL, chat_id=self.chat_id, current=self.current, engine=engine
+            )
+            try:
+                result = await commands.run_command(ctx, text)
+            except ChatError as exc:
+                self.write(f"! {exc.message}\n")
+                return
+            if result.current is not None:
+                self.current = result.current
+                await self._follow(result.current)
+            self.write(result.content + "\n")
+            return
+        inbound = Inbound(
+            owner=self.user, channel=CHANNEL, chat_id=self.chat_id, content=text, sender_id=str(self.user.pk)
+        )
+        try:
+            ack = await engine.submit(inbound, self.current)
+        except ChatError as exc:
+            self.write(f"! {exc.message}\n")
+            return
+        if ack.turn_id:
+            self.pending.add(ack.turn_id)
+            self.all_done.clear()
+
+    async def _listen(self) -> None:
+        while True:
+            message = await self.layer.receive(self.channel)
+            frame = message.get("frame") or {}
+            kind = frame.get("type")
+            turn_id = frame.get("turn_id")
+            if kind == "turn_snapshot" and turn_id in self.pending:
+                known = self.printed.get(turn_id, "")
+                offset = frame["text_offset"]
+                if offset <= len(known):
+                    new = (known[:offset] + frame["text"])[len(known) :]
+                    if new:
+                        self.write(new)
+                        self.printed[turn_id] = known + new
+            elif kind == "history_delta" and turn_id in self.pending:
+                answers = [m for m in frame["messages"] if m["role"] == "assistant" and not m.get("tool_calls")]
+                if answers:
+                    final = "\n\n".join(m["content"] for m in answers)
+                    known = self.printed.get(turn_id, "")
+                    # Print whatever the coalesced snapshots did not show.
+                    if final.startswith(known):
+                        self.write(final[len(known) :])
+                    elif not known:
+                        self.write(final)
+                    self.printed[turn_id] = final
+            elif kind == "turn_updated" and turn_id in self.pending:
+                status = frame["status"]
+                if self.printed.get(turn_id):
+                    self.write("\n")
+                if status == "failed":
+                    self.write(f"! {frame.get('error', {}).get('message', 'failed')}\n")
+                elif status == "cancelled":
+                    self.write(f"[{frame.get('reason', 'cancelled')}]\n")
+                self.write("\n")
+                self.pending.discard(turn_id)
+                self.printed.pop(turn_id, None)
+                if not self.pending:
+                    self.all_done.set()
+            elif kind == "system_notification":
+                self.err.write(f"[{frame.get('level')}] {frame.get('content')}\n")
+
+
+class Command(BaseCommand):
+    help = "Chat in the terminal: one line of input is one message; slash commands work."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--chat-id", help="your chat id (u<id> or u<id>.<name>), or just <name>")
+        parser.add_argument("--dialog-id", help="dialog to use (created when missing)")
+        parser.add_argument("--user", default="cli", help="username (created when missing)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        username = options["user"]
+        user_model = get_user_model()
+        user, _created = user_model.objects.get_or_create(username=username)
+        if not user.is_active:
+            raise CommandError(f"User {username!r} is inactive.")
+        chat_id = self._chat_id(user.pk, options.get("chat_id"))
+        dialog_id = options.get("dialog_id")
+        try:
+            if dialog_id is not None:
+                validate_part(dialog_id, field="dialog_id")
+        except ChatError as exc:
+            raise CommandError(exc.message) from exc
+        terminal = Terminal(user=user, chat_id=chat_id, dialog_id=dialog_id, out=sys.stdout, err=sys.stderr)
+        asyncio.run(terminal.run())
+
+    @staticmethod
+    def _chat_id(user_pk: int, raw: str | None) -> str:
+        own = owner_chat_id(user_pk)
+        if not raw:
+            return own
+        try:
+            if raw == own or raw.startswith(own + "."):
+                validate_part(raw, field="chat_id")
+                return raw
+            return owner_chat_id(user_pk, raw)
+        except ChatError as exc:
+            raise CommandError(exc.message) from exc

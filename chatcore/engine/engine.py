@@ -547,7 +547,10 @@ class Engine:
             result = commit_outcome(
                 turn=turn, outcome=outcome, base_generation=session.generation, states=self.states
             )
-            logger.warning("closed an interrupted turn", extra={"turn_id": str(turn.pk), "session_id": session_pk})
+            logger.warning(
+                "closed an interrupted turn",
+                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+            )
             publish.publish_to_chat(
                 session,
                 publish.turn_updated_frame(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +37,17 @@ def require_service(env_name: str, what: str) -> str:
             pytest.fail(reason + " (CI must run it)")
         pytest.skip(reason)
     return url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_sync_thread_connections(django_db_setup: None) -> Iterator[None]:
+    """Async tests run ORM calls on asgiref's single sync thread; close its connection before
+    the test database is dropped (PostgreSQL refuses to drop a database in use)."""
+    yield
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
 
 
 @pytest.fixture
@@ -69,7 +80,7 @@ def other_user(make_user: Callable[..., Any]) -> Any:
 # --- Engine fixtures ----------------------------------------------------------------------
 
 import asyncio  # noqa: E402
-from collections.abc import AsyncIterator, Iterator  # noqa: E402
+from collections.abc import AsyncIterator  # noqa: E402
 
 import pytest_asyncio  # noqa: E402
 from channels.layers import get_channel_layer  # noqa: E402

@@ -15,6 +15,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import connection
 
 from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
 
@@ -249,9 +250,16 @@ class TurnInputBuilder:
 
 
 def _memory_notes(owner_id: int) -> list[str]:
-    rows = MemoryNote.objects.filter(owner_id=owner_id).order_by("-created_at")[:20]
-    return [n.content for n in reversed(list(rows))]
+    try:
+        rows = MemoryNote.objects.filter(owner_id=owner_id).order_by("-created_at")[:20]
+        return [n.content for n in reversed(list(rows))]
+    finally:
+        # Runs on a pool thread; do not leave its connection open behind it.
+        connection.close()
 
 
 def _plan(session_pk: str) -> str:
-    return Session.objects.filter(pk=session_pk).values_list("plan", flat=True).first() or ""
+    try:
+        return Session.objects.filter(pk=session_pk).values_list("plan", flat=True).first() or ""
+    finally:
+        connection.close()

@@ -22,7 +22,9 @@ _SECRET_PATTERNS = [
 def scrub(text: str) -> str:
     """Remove bearer tokens, API keys and URL passwords from text."""
     for pattern in _SECRET_PATTERNS:
-        text = pattern.sub(lambda m: m.group(1) + "***" + (m.group(2) if m.re.groups > 1 else ""), text)
+        text = pattern.sub(
+            lambda m: m.group(1) + "***" + (m.group(2) if m.re.groups > 1 else ""), text
+        )
     return text
 
 

@@ -31,7 +31,9 @@ def _env_int(name: str, default: int) -> int:
 
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "dev-insecure-key-set-DJANGO_SECRET_KEY-in-production")
+SECRET_KEY = os.environ.get(
+    "DJANGO_SECRET_KEY", "dev-insecure-key-set-DJANGO_SECRET_KEY-in-production"
+)
 ALLOWED_HOSTS = [
     h.strip()
     for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
@@ -161,7 +163,7 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 
 # --- The conversation engine (SPEC A8, F6) --------------------------------------------------
-CHAT = {
+CHAT: dict[str, Any] = {
     "SESSION_TTL_SECONDS": _env_int("CHAT_SESSION_TTL_SECONDS", 24 * 3600),
     "CLEANUP_INTERVAL_SECONDS": _env_int("CHAT_CLEANUP_INTERVAL_SECONDS", 60 * 60),
     "AUTO_TITLE_AFTER": _env_int("CHAT_AUTO_TITLE_AFTER", 10),
@@ -183,7 +185,7 @@ CHAT = {
     "SHUTDOWN_GRACE_SECONDS": 10.0,
 }
 
-LLM = {
+LLM: dict[str, Any] = {
     "BASE_URL": os.environ.get("LLM_BASE_URL", "").strip().rstrip("/"),
     "API_KEY": os.environ.get("LLM_API_KEY", ""),
     "MODEL": os.environ.get("LLM_MODEL", "gpt-4o-mini"),

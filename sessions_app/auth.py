@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.utils import timezone
 
 from .models import ApiToken
@@ -14,7 +14,7 @@ def hash_token(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def user_for_token(raw: str | None) -> AbstractBaseUser | None:
+def user_for_token(raw: str | None) -> User | None:
     """The active user behind a live token, recording when it was last used."""
     if not raw:
         return None

@@ -120,8 +120,8 @@ class Message(models.Model):
     role = models.CharField(max_length=16, choices=Role.choices)
     content = models.TextField(blank=True, default="")
     media_refs = models.JSONField(default=list, blank=True)
-    tool_call_id = models.CharField(max_length=128, null=True, blank=True)
-    tool_name = models.CharField(max_length=128, null=True, blank=True)
+    tool_call_id = models.CharField(max_length=128, blank=True, default="")
+    tool_name = models.CharField(max_length=128, blank=True, default="")
     tool_calls = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     # D5: kind, channel, sender id, reply_to, client_msg_id; hidden from the model (C8).
@@ -236,6 +236,9 @@ class StagedInput(models.Model):
         ordering = ["received_at"]
         indexes = [models.Index(fields=["session", "status"], name="idx_staged_session")]
 
+    def __str__(self) -> str:
+        return f"{self.mode} ({self.status}): {self.content[:40]}"
+
 
 class Compaction(models.Model):
     """A summary of history up to `through_seq` (B5). Stored messages are never rewritten."""
@@ -248,6 +251,9 @@ class Compaction(models.Model):
 
     class Meta:
         ordering = ["-through_seq"]
+
+    def __str__(self) -> str:
+        return f"summary through #{self.through_seq}"
 
 
 class MemoryNote(models.Model):

@@ -29,18 +29,22 @@ def session_get_for_owner(*, owner_id: int, session_id: str) -> Session:
         key = SessionKey.parse(session_id)
     except Exception as exc:
         raise NotFound(_("Dialog not found.")) from exc
-    session = live_sessions_for_owner(owner_id=owner_id).filter(
-        channel=key.channel, chat_id=key.chat_id, dialog_id=key.dialog_id
-    ).first()
+    session = (
+        live_sessions_for_owner(owner_id=owner_id)
+        .filter(channel=key.channel, chat_id=key.chat_id, dialog_id=key.dialog_id)
+        .first()
+    )
     if session is None:
         raise NotFound(_("Dialog not found."))
     return session
 
 
 def dialog_get(*, owner_id: int, channel: str, chat_id: str, dialog_id: str) -> Session:
-    session = live_sessions_for_owner(owner_id=owner_id).filter(
-        channel=channel, chat_id=chat_id, dialog_id=dialog_id
-    ).first()
+    session = (
+        live_sessions_for_owner(owner_id=owner_id)
+        .filter(channel=channel, chat_id=chat_id, dialog_id=dialog_id)
+        .first()
+    )
     if session is None:
         raise NotFound(_("Dialog %(id)s does not exist.") % {"id": dialog_id})
     return session
@@ -113,7 +117,9 @@ def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message
 
 
 def turn_queue(*, session_pk: str) -> list[Turn]:
-    return list(Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).order_by("number"))
+    return list(
+        Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).order_by("number")
+    )
 
 
 def turn_running(*, session_pk: str) -> Turn | None:
@@ -128,6 +134,4 @@ def turn_get_for_owner(*, owner_id: int, turn_id: str) -> Turn:
 
 
 def staged_for_session(*, session_pk: str) -> list[StagedInput]:
-    return list(
-        StagedInput.objects.filter(session_id=session_pk, status=StagedInput.Status.STAGED)
-    )
+    return list(StagedInput.objects.filter(session_id=session_pk, status=StagedInput.Status.STAGED))

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -42,9 +42,7 @@ T = TypeVar("T")
 TITLE_MAX = 200
 
 
-def storage_retry(
-    operation: Callable[[], T], *, what: str, session: Session | None = None
-) -> T:
+def storage_retry(operation: Callable[[], T], *, what: str, session: Session | None = None) -> T:
     """Run a write, retrying database errors after each configured delay (A4).
 
     When the last attempt fails too, the error is logged, the session's clients get a system
@@ -117,7 +115,7 @@ def clean_title(title: object) -> str:
 
 def session_create(
     *,
-    owner: AbstractBaseUser,
+    owner: User,
     channel: str,
     chat_id: str,
     dialog_id: str | None = None,
@@ -132,7 +130,9 @@ def session_create(
     def write() -> tuple[Session, Message]:
         with transaction.atomic():
             if Session.objects.filter(
-                channel=key.channel, chat_id=key.chat_id, dialog_id=key.dialog_id,
+                channel=key.channel,
+                chat_id=key.chat_id,
+                dialog_id=key.dialog_id,
                 deleted_at__isnull=True,
             ).exists():
                 raise BadRequest(_("Dialog %(id)s already exists.") % {"id": key.dialog_id})
@@ -180,9 +180,7 @@ def _announce_created(session: Session, welcome: Message) -> None:
     )
 
 
-def session_get_or_create_default(
-    *, owner: AbstractBaseUser, channel: str, chat_id: str
-) -> Session:
+def session_get_or_create_default(*, owner: User, channel: str, chat_id: str) -> Session:
     existing = (
         Session.objects.filter(
             channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG, deleted_at__isnull=True
@@ -202,9 +200,7 @@ def session_get_or_create_default(
         )
 
 
-def session_rename(
-    *, session: Session, title: str, source: str = TitleSource.USER
-) -> Session:
+def session_rename(*, session: Session, title: str, source: str = TitleSource.USER) -> Session:
     """Rename a dialog. A rename by a person always wins over automatic titles (B4)."""
     clean = clean_title(title)
 
@@ -231,7 +227,9 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
         with transaction.atomic():
             return Session.objects.filter(
                 pk=session_pk, title_source=TitleSource.DEFAULT, deleted_at__isnull=True
-            ).update(title=clean, title_source=TitleSource.AUTO, state_version=F("state_version") + 1)
+            ).update(
+                title=clean, title_source=TitleSource.AUTO, state_version=F("state_version") + 1
+            )
 
     if not storage_retry(write, what="title_commit"):
         return None
@@ -285,7 +283,9 @@ def session_restore(*, session: Session) -> Session:
     if session.deleted_at is None:
         return session
     if Session.objects.filter(
-        channel=session.channel, chat_id=session.chat_id, dialog_id=session.dialog_id,
+        channel=session.channel,
+        chat_id=session.chat_id,
+        dialog_id=session.dialog_id,
         deleted_at__isnull=True,
     ).exists():
         raise BadRequest(
@@ -317,10 +317,17 @@ def sessions_purge_expired(*, now: datetime | None = None) -> int:
     now = now or timezone.now()
     cutoff = now - timedelta(days=settings.CHAT["RETENTION_DAYS"])
     count = 0
-    for pk in Session.objects.filter(deleted_at__lt=cutoff).values_list("pk", flat=True):
-        storage_retry(lambda pk=pk: Session.objects.filter(pk=pk).delete(), what="purge")
+    for pk in list(Session.objects.filter(deleted_at__lt=cutoff).values_list("pk", flat=True)):
+        _purge_one(pk)
         count += 1
     return count
+
+
+def _purge_one(pk: str) -> None:
+    def write() -> None:
+        Session.objects.filter(pk=pk).delete()
+
+    storage_retry(write, what="purge")
 
 
 def session_touch(*, session_pk: str) -> None:
@@ -394,8 +401,8 @@ def messages_append(
                         content=new.content,
                         created_at=new.created_at or now,
                         tool_calls=new.tool_calls,
-                        tool_call_id=new.tool_call_id,
-                        tool_name=new.tool_name,
+                        tool_call_id=new.tool_call_id or "",
+                        tool_name=new.tool_name or "",
                         media_refs=new.media_refs,
                         source=source,
                         status=new.status,
@@ -411,7 +418,10 @@ def messages_append(
             session.last_active_at = now
             session.save(
                 update_fields=[
-                    "last_seq", "total_message_count", "message_count", "state_version",
+                    "last_seq",
+                    "total_message_count",
+                    "message_count",
+                    "state_version",
                     "last_active_at",
                 ]
             )
@@ -467,7 +477,7 @@ def messages_clear(*, session: Session) -> int:
 # --- API tokens ---------------------------------------------------------------------------
 
 
-def api_token_issue(*, user: AbstractBaseUser, name: str = "") -> tuple[ApiToken, str]:
+def api_token_issue(*, user: User, name: str = "") -> tuple[ApiToken, str]:
     """Create a token; the plain key is returned once and only its hash is stored (F2)."""
     from .auth import hash_token
 

@@ -26,7 +26,7 @@ def _check_database() -> dict[str, Any]:
 
 def _check_channel_layer() -> dict[str, Any]:
     layer = get_channel_layer()
-    backend = settings.CHANNEL_LAYERS["default"]["BACKEND"].rsplit(".", 1)[-1]
+    backend = str(settings.CHANNEL_LAYERS["default"]["BACKEND"]).rsplit(".", 1)[-1]
     if layer is None:
         return {"ok": False, "backend": backend}
     try:
@@ -59,6 +59,10 @@ def healthz(request: HttpRequest) -> JsonResponse:
     }
     ok = all(c["ok"] for c in checks.values())
     return JsonResponse(
-        {"status": "ok" if ok else "degraded", "mode": "scaled" if settings.SCALED else "embedded", **checks},
+        {
+            "status": "ok" if ok else "degraded",
+            "mode": "scaled" if settings.SCALED else "embedded",
+            **checks,
+        },
         status=200 if ok else 503,
     )

@@ -57,7 +57,9 @@ def redis_url() -> str:
 
 @pytest.fixture
 def make_user(db: None) -> Callable[..., Any]:
-    def factory(username: str | None = None, *, staff: bool = False, password: str = "pw-12345!") -> Any:
+    def factory(
+        username: str | None = None, *, staff: bool = False, password: str = "pw-12345!"
+    ) -> Any:
         name = username or f"user{next(_counter)}"
         model = get_user_model()
         if staff:
@@ -117,7 +119,9 @@ class FrameRecorder:
         self.frames.append(frame)
         return frame
 
-    async def until(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 15.0) -> list[dict[str, Any]]:
+    async def until(
+        self, pred: Callable[[dict[str, Any]], bool], timeout: float = 15.0
+    ) -> list[dict[str, Any]]:
         """Collect frames until one matches; returns all collected, the match last."""
         out = []
         loop = asyncio.get_running_loop()
@@ -152,7 +156,9 @@ async def make_engine(fake_model: FakeModelServer) -> AsyncIterator[Callable[...
 
     async def factory(**kwargs: Any) -> Any:
         provider = kwargs.pop("provider", None) or OpenAIProvider(
-            base_url=fake_model.url, api_key="sk-test-secret-key-123456", model="fake",
+            base_url=fake_model.url,
+            api_key="sk-test-secret-key-123456",
+            model="fake",
             retry_base_delay=0.01,
         )
         engine = Engine(provider=provider, **kwargs)

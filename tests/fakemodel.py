@@ -189,8 +189,11 @@ class FakeModelServer:
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             return json.dumps(
-                {"id": "x", "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
             )
 
         try:
@@ -211,12 +214,26 @@ class FakeModelServer:
                     await asyncio.sleep(0.01)
             for index, (name, args) in enumerate(reply.tool_calls):
                 call_id = f"call_{len(self.requests)}_{index}"
-                await send_event(chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
-                                                         "function": {"name": name, "arguments": ""}}]}))
+                await send_event(
+                    chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": index,
+                                    "id": call_id,
+                                    "type": "function",
+                                    "function": {"name": name, "arguments": ""},
+                                }
+                            ]
+                        }
+                    )
+                )
                 arg_text = json.dumps(args)
                 mid = len(arg_text) // 2
                 for part in (arg_text[:mid], arg_text[mid:]):
-                    await send_event(chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]}))
+                    await send_event(
+                        chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
+                    )
             finish = "tool_calls" if reply.tool_calls else "stop"
             await send_event(chunk({}, finish))
             usage = reply.usage or {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from asgiref.sync import sync_to_async
 
 from tests.engine_helpers import chat_group_of, history, make_dialog, send, turn
 from tests.fakemodel import Reply, user_texts

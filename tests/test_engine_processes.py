@@ -21,7 +21,9 @@ from tests.test_engine_turns import terminals
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 
-async def test_two_engines_never_overlap_turns_of_one_dialog(make_engine, fake_model, recorder, user):
+async def test_two_engines_never_overlap_turns_of_one_dialog(
+    make_engine, fake_model, recorder, user
+):
     # covers: C3
     engines = [await make_engine(name="proc-1"), await make_engine(name="proc-2")]
     session = await make_dialog(user)
@@ -36,10 +38,15 @@ async def test_two_engines_never_overlap_turns_of_one_dialog(make_engine, fake_m
     reqs = fake_model.turn_requests()
     assert [user_texts(r)[-1] for r in reqs] == [f"m{i}" for i in range(6)]
     for i, req in enumerate(reqs[1:], start=1):
-        assert any(m["role"] == "assistant" and m["content"].startswith(f"answer {i - 1}") for m in req.messages)
+        assert any(
+            m["role"] == "assistant" and m["content"].startswith(f"answer {i - 1}")
+            for m in req.messages
+        )
 
 
-async def test_two_engines_run_different_dialogs_in_parallel(make_engine, fake_model, recorder, user):
+async def test_two_engines_run_different_dialogs_in_parallel(
+    make_engine, fake_model, recorder, user
+):
     # covers: C3
     e1, e2 = await make_engine(name="proc-1"), await make_engine(name="proc-2")
     a = await make_dialog(user, "a")
@@ -71,7 +78,9 @@ async def test_a_live_lease_of_another_process_is_never_stolen(make_engine, fake
     assert turn.status == "queued"
 
 
-async def test_orphaned_work_is_recovered_in_order_after_a_crash(make_engine, fake_model, recorder, user):
+async def test_orphaned_work_is_recovered_in_order_after_a_crash(
+    make_engine, fake_model, recorder, user
+):
     # covers: C11, C2, A5
     session = await make_dialog(user)
     past = timezone.now() - timedelta(seconds=60)
@@ -81,8 +90,13 @@ async def test_orphaned_work_is_recovered_in_order_after_a_crash(make_engine, fa
             lease_owner="dead-process", lease_expires_at=past, turn_counter=3
         )
         Turn.objects.create(
-            session_id=session.pk, owner=user, number=1, content="first", status="running",
-            started_at=past, partial_text="I was saying som",
+            session_id=session.pk,
+            owner=user,
+            number=1,
+            content="first",
+            status="running",
+            started_at=past,
+            partial_text="I was saying som",
         )
         Turn.objects.create(session_id=session.pk, owner=user, number=2, content="second")
         Turn.objects.create(session_id=session.pk, owner=user, number=3, content="third")
@@ -135,4 +149,9 @@ async def test_shutdown_is_bounded_and_keeps_queued_sends(make_engine, fake_mode
     await make_engine(name="new-process")
     done = await terminals(rec, [queued.turn_id], timeout=30)
     assert done[queued.turn_id]["status"] == "completed"
-    assert await sync_to_async(Message.objects.filter(session_id=session.pk, content="after the restart").count)() == 1
+    assert (
+        await sync_to_async(
+            Message.objects.filter(session_id=session.pk, content="after the restart").count
+        )()
+        == 1
+    )

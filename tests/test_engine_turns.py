@@ -32,7 +32,11 @@ def chat_cfg(**changes: Any) -> Any:
 async def wait_for(pred, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not await sync_to_async(pred)() if not asyncio.iscoroutinefunction(pred) else not await pred():
+    while (
+        not await sync_to_async(pred)()
+        if not asyncio.iscoroutinefunction(pred)
+        else not await pred()
+    ):
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.02)
@@ -57,7 +61,7 @@ async def drain(rec, quiet: float = 0.3) -> list[dict[str, Any]]:
     while True:
         try:
             frames.append(await rec.next(timeout=quiet))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return frames
 
 
@@ -83,7 +87,9 @@ async def test_sends_from_one_task_are_separate_fifo_turns(make_engine, fake_mod
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
     gate = threading.Event()
-    fake_model.script(Reply(text="answer A", gate=gate), Reply(text="answer B"), Reply(text="answer C"))
+    fake_model.script(
+        Reply(text="answer A", gate=gate), Reply(text="answer B"), Reply(text="answer C")
+    )
     acks = [await send(engine, session, f"m{i}") for i in range(3)]
     assert [a.position for a in acks] == [0, 1, 2]
     gate.set()
@@ -106,21 +112,29 @@ async def test_sends_from_adjacent_tasks_are_never_merged(make_engine, fake_mode
     reqs = fake_model.turn_requests()
     assert len(reqs) == 5
     numbers = await sync_to_async(
-        lambda: list(Turn.objects.filter(session_id=session.pk).order_by("number").values_list("content", flat=True))
+        lambda: list(
+            Turn.objects.filter(session_id=session.pk)
+            .order_by("number")
+            .values_list("content", flat=True)
+        )
     )()
     # Each request adds exactly one new user message, in queue order.
     for i, req in enumerate(reqs):
         assert user_texts(req) == numbers[: i + 1]
 
 
-async def test_send_from_a_reentrant_listener_gets_its_own_turn(make_engine, fake_model, recorder, user):
+async def test_send_from_a_reentrant_listener_gets_its_own_turn(
+    make_engine, fake_model, recorder, user
+):
     # covers: C1
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
     first = await send(engine, session, "first")
     follow_up = None
-    frames = await rec.until(lambda f: f["type"] == "history_delta" and f["turn_id"] == first.turn_id)
+    frames = await rec.until(
+        lambda f: f["type"] == "history_delta" and f["turn_id"] == first.turn_id
+    )
     # Reacting to the user-message delta of turn 1, while it runs, send again.
     follow_up = await send(engine, session, "second")
     assert frames and follow_up.turn_id != first.turn_id
@@ -200,7 +214,9 @@ async def test_rate_limit_per_user(make_engine, fake_model, user):
 # --- C6: stop and retry ---------------------------------------------------------------------
 
 
-async def test_stop_mid_stream_closes_connection_and_keeps_partial(make_engine, fake_model, recorder, user):
+async def test_stop_mid_stream_closes_connection_and_keeps_partial(
+    make_engine, fake_model, recorder, user
+):
     # covers: C6, C9
     engine = await make_engine()
     session = await make_dialog(user)
@@ -242,14 +258,19 @@ async def test_stop_drops_queued_sends_and_staged_steers(make_engine, fake_model
     assert done[running.turn_id]["reason"] == "stopped"
     await engine.wait_idle()
     assert len(fake_model.turn_requests()) == 1
-    assert await sync_to_async(
-        lambda: StagedInput.objects.filter(status="dropped", mode="steer").count()
-    )() == 1
+    assert (
+        await sync_to_async(
+            lambda: StagedInput.objects.filter(status="dropped", mode="steer").count()
+        )()
+        == 1
+    )
     contents = [m.content for m in await history(session)]
     assert "queued one" not in contents and "steer me" not in contents
 
 
-async def test_stop_from_another_engine_reaches_the_running_turn(make_engine, fake_model, recorder, user):
+async def test_stop_from_another_engine_reaches_the_running_turn(
+    make_engine, fake_model, recorder, user
+):
     # covers: C6 (cross-process through the channel layer)
     runner_engine = await make_engine(name="proc-a")
     other_engine = await make_engine(name="proc-b")
@@ -265,12 +286,16 @@ async def test_stop_from_another_engine_reaches_the_running_turn(make_engine, fa
     assert done[ack.turn_id]["status"] == "cancelled"
 
 
-async def test_retry_reruns_without_duplicating_the_user_message(make_engine, fake_model, recorder, user):
+async def test_retry_reruns_without_duplicating_the_user_message(
+    make_engine, fake_model, recorder, user
+):
     # covers: C6
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
-    fake_model.script(Reply(status=400, error={"error": {"message": "bad things"}}), Reply(text="second try"))
+    fake_model.script(
+        Reply(status=400, error={"error": {"message": "bad things"}}), Reply(text="second try")
+    )
     first = await send(engine, session, "hello")
     done = await terminals(rec, [first.turn_id])
     assert done[first.turn_id]["status"] == "failed"
@@ -285,7 +310,9 @@ async def test_retry_reruns_without_duplicating_the_user_message(make_engine, fa
     assert rows[-1].content == "second try"
 
 
-async def test_retry_after_stop_keeps_the_earlier_partial_in_history(make_engine, fake_model, recorder, user):
+async def test_retry_after_stop_keeps_the_earlier_partial_in_history(
+    make_engine, fake_model, recorder, user
+):
     # covers: C6
     engine = await make_engine()
     session = await make_dialog(user)
@@ -353,7 +380,9 @@ async def test_steer_is_recorded_at_the_step_boundary(make_engine, fake_model, r
     assert s.message_count == 2  # the steer is the user's own message too
 
 
-async def test_steer_after_final_answer_causes_one_more_step(make_engine, fake_model, recorder, user):
+async def test_steer_after_final_answer_causes_one_more_step(
+    make_engine, fake_model, recorder, user
+):
     # covers: C4
     engine = await make_engine()
     session = await make_dialog(user)
@@ -370,13 +399,17 @@ async def test_steer_after_final_answer_causes_one_more_step(make_engine, fake_m
     assert [m.content for m in rows[2:]] == ["Long answer", "shorter please", "Short answer"]
 
 
-async def test_steer_stays_staged_after_a_failure_and_joins_the_next_send(make_engine, fake_model, recorder, user):
+async def test_steer_stays_staged_after_a_failure_and_joins_the_next_send(
+    make_engine, fake_model, recorder, user
+):
     # covers: C4
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
     gate = threading.Event()
-    fake_model.script(Reply(status=400, gate=gate, error={"error": {"message": "nope"}}), Reply(text="ok now"))
+    fake_model.script(
+        Reply(status=400, gate=gate, error={"error": {"message": "nope"}}), Reply(text="ok now")
+    )
     first = await send(engine, session, "try this")
     await fake_model.requests_made(1)
     await send(engine, session, "and consider that", mode="steer")
@@ -406,7 +439,9 @@ async def test_inject_when_idle_appends_without_a_turn(make_engine, fake_model, 
     assert await sync_to_async(Turn.objects.count)() == 0
 
 
-async def test_inject_mid_turn_is_context_without_an_extra_step(make_engine, fake_model, recorder, user):
+async def test_inject_mid_turn_is_context_without_an_extra_step(
+    make_engine, fake_model, recorder, user
+):
     # covers: C5
     engine = await make_engine()
     session = await make_dialog(user)
@@ -433,7 +468,9 @@ def _runtime_count(req) -> int:
     return sum(str(m.get("content", "")).count(RUNTIME_MARKER.strip()) for m in req.messages)
 
 
-async def test_prompt_and_runtime_context_appended_exactly_once(make_engine, fake_model, recorder, user):
+async def test_prompt_and_runtime_context_appended_exactly_once(
+    make_engine, fake_model, recorder, user
+):
     # covers: C7, C8
     engine = await make_engine()
     session = await make_dialog(user)
@@ -448,15 +485,21 @@ async def test_prompt_and_runtime_context_appended_exactly_once(make_engine, fak
         assert RUNTIME_MARKER.strip() in req.messages[-1]["content"]
         # The welcome message and sender ids never reach the model.
         assert not any("New dialog created" in str(m["content"]) for m in req.messages)
-        assert str(user.pk) not in str([m for m in req.messages if m["role"] != "system"]).replace(f"u{user.pk}", "")
+        assert str(user.pk) not in str([m for m in req.messages if m["role"] != "system"]).replace(
+            f"u{user.pk}", ""
+        )
 
 
-async def test_overflow_recovers_once_through_the_same_builder(make_engine, fake_model, recorder, user):
+async def test_overflow_recovers_once_through_the_same_builder(
+    make_engine, fake_model, recorder, user
+):
     # covers: C7
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
-    overflow = Reply(status=400, error={"error": {"code": "context_length_exceeded", "message": "too long"}})
+    overflow = Reply(
+        status=400, error={"error": {"code": "context_length_exceeded", "message": "too long"}}
+    )
     fake_model.script(overflow, Reply(text="fits now"))
     ack = await send(engine, session, "big question")
     done = await terminals(rec, [ack.turn_id])
@@ -472,7 +515,9 @@ async def test_second_overflow_in_a_turn_fails_typed(make_engine, fake_model, re
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
-    overflow = Reply(status=400, error={"error": {"code": "context_length_exceeded", "message": "too long"}})
+    overflow = Reply(
+        status=400, error={"error": {"code": "context_length_exceeded", "message": "too long"}}
+    )
     fake_model.script(overflow, overflow, Reply(text="never"))
     ack = await send(engine, session, "big question")
     done = await terminals(rec, [ack.turn_id])
@@ -484,7 +529,9 @@ async def test_second_overflow_in_a_turn_fails_typed(make_engine, fake_model, re
 # --- C9 / C10: staleness, persistence failures, provider errors -------------------------------
 
 
-async def test_turn_is_stale_after_delete_and_commits_nothing(make_engine, fake_model, recorder, user):
+async def test_turn_is_stale_after_delete_and_commits_nothing(
+    make_engine, fake_model, recorder, user
+):
     # covers: C9, A7
     engine = await make_engine()
     session = await make_dialog(user)
@@ -500,7 +547,9 @@ async def test_turn_is_stale_after_delete_and_commits_nothing(make_engine, fake_
     assert not [m for m in await history(session) if m.role == "assistant"]
 
 
-async def test_persistence_failure_is_never_reported_as_completed(make_engine, fake_model, recorder, user):
+async def test_persistence_failure_is_never_reported_as_completed(
+    make_engine, fake_model, recorder, user
+):
     # covers: C9, C10, A4
     engine = await make_engine()
     session = await make_dialog(user)
@@ -508,7 +557,11 @@ async def test_persistence_failure_is_never_reported_as_completed(make_engine, f
     state = {"armed": False}
 
     def fail_assistant_writes(execute, sql, params, many, context):
-        if state["armed"] and "sessions_app_message" in sql and sql.lstrip().upper().startswith("INSERT"):
+        if (
+            state["armed"]
+            and "sessions_app_message" in sql
+            and sql.lstrip().upper().startswith("INSERT")
+        ):
             raise OperationalError("injected: disk full")
         return execute(sql, params, many, context)
 
@@ -534,7 +587,9 @@ async def test_persistence_failure_is_never_reported_as_completed(make_engine, f
     assert (await turn(ack.turn_id)).status == "failed"
 
 
-async def test_provider_errors_are_typed_and_secret_free(make_engine, fake_model, recorder, user, caplog):
+async def test_provider_errors_are_typed_and_secret_free(
+    make_engine, fake_model, recorder, user, caplog
+):
     # covers: C10, E5, F4
     caplog.set_level(logging.INFO)
     engine = await make_engine()
@@ -558,7 +613,9 @@ async def test_provider_errors_are_typed_and_secret_free(make_engine, fake_model
     assert fake_model.requests[0].headers["authorization"] == "Bearer sk-test-secret-key-123456"
 
 
-async def test_server_errors_are_retried_before_the_first_token(make_engine, fake_model, recorder, user):
+async def test_server_errors_are_retried_before_the_first_token(
+    make_engine, fake_model, recorder, user
+):
     # covers: E5
     engine = await make_engine()
     session = await make_dialog(user)
@@ -573,14 +630,21 @@ async def test_server_errors_are_retried_before_the_first_token(make_engine, fak
 # --- C8: tools ------------------------------------------------------------------------------
 
 
-async def test_tool_calls_run_with_progress_in_snapshots_only(make_engine, fake_model, recorder, user):
+async def test_tool_calls_run_with_progress_in_snapshots_only(
+    make_engine, fake_model, recorder, user
+):
     # covers: C8, D1
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
     snaps = await recorder(publish.session_group(session.pk))
     fake_model.script(
-        Reply(tool_calls=[("remember", {"note": "likes green tea"}), ("plan_update", {"plan": "1. tea"})]),
+        Reply(
+            tool_calls=[
+                ("remember", {"note": "likes green tea"}),
+                ("plan_update", {"plan": "1. tea"}),
+            ]
+        ),
         Reply(text="Noted."),
     )
     ack = await send(engine, session, "remember I like green tea")
@@ -591,9 +655,9 @@ async def test_tool_calls_run_with_progress_in_snapshots_only(make_engine, fake_
     snap_frames = await drain(snaps)
     tool_views = [f["tools"] for f in snap_frames if f["tools"]]
     assert tool_views and tool_views[-1][-1]["status"] == "ok"
-    assert await sync_to_async(lambda: list(MemoryNote.objects.values_list("content", flat=True)))() == [
-        "likes green tea"
-    ]
+    assert await sync_to_async(
+        lambda: list(MemoryNote.objects.values_list("content", flat=True))
+    )() == ["likes green tea"]
     rows = await history(session)
     assert [m.role for m in rows[1:]] == ["user", "assistant", "tool", "tool", "assistant"]
     # Memory and plan reach the next turn's system prompt.
@@ -633,7 +697,9 @@ async def test_step_limit_forces_a_final_answer(make_engine, fake_model, recorde
 # --- D1: snapshots --------------------------------------------------------------------------
 
 
-async def test_snapshots_are_coalesced_tails_that_rebuild_the_answer(make_engine, fake_model, recorder, user):
+async def test_snapshots_are_coalesced_tails_that_rebuild_the_answer(
+    make_engine, fake_model, recorder, user
+):
     # covers: D1
     engine = await make_engine()
     session = await make_dialog(user)

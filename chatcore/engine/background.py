@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
@@ -65,23 +66,36 @@ def _schedule(job: str, **kwargs: Any) -> None:
     if engine is None or engine.closing:
         logger.info("no engine to run %s in-process; skipped", job)
         return
-    coro_fn = {"generate_title": generate_title, "compact_session": compact_session}[job]
+    jobs: dict[str, Callable[..., Coroutine[Any, Any, Any]]] = {
+        "generate_title": generate_title,
+        "compact_session": compact_session,
+    }
+    coro_fn = jobs[job]
     loop = engine.loop
     if loop is None:
         return
 
     def spawn() -> None:
-        engine.supervisor.spawn(f"{job}:{kwargs.get('session_pk')}", coro_fn(provider=engine.provider, **kwargs))
+        engine.supervisor.spawn(
+            f"{job}:{kwargs.get('session_pk')}", coro_fn(provider=engine.provider, **kwargs)
+        )
 
     loop.call_soon_threadsafe(spawn)
 
 
 def after_turn(*, session_pk: str) -> None:
     """After a completed turn: schedule a title when it is due (B4)."""
-    session = Session.objects.filter(pk=session_pk).only("message_count", "title_source", "deleted_at").first()
+    session = (
+        Session.objects.filter(pk=session_pk)
+        .only("message_count", "title_source", "deleted_at")
+        .first()
+    )
     if session is None or session.deleted_at is not None:
         return
-    if session.title_source == TitleSource.DEFAULT and session.message_count >= settings.CHAT["AUTO_TITLE_AFTER"]:
+    if (
+        session.title_source == TitleSource.DEFAULT
+        and session.message_count >= settings.CHAT["AUTO_TITLE_AFTER"]
+    ):
         _schedule("generate_title", session_pk=session_pk)
 
 
@@ -143,12 +157,16 @@ async def generate_title(*, session_pk: str, provider: ChatProvider | None = Non
         if not title:
             logger.warning("title generation returned nothing", extra={"session_id": session_pk})
             return None
-        session = await sync_to_async(services.title_commit_if_default)(session_pk=session_pk, title=title)
+        session = await sync_to_async(services.title_commit_if_default)(
+            session_pk=session_pk, title=title
+        )
         return session.title if session is not None else None
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        logger.warning("title generation failed: %s", type(exc).__name__, extra={"session_id": session_pk})
+        logger.warning(
+            "title generation failed: %s", type(exc).__name__, extra={"session_id": session_pk}
+        )
         return None
     finally:
         if own:
@@ -165,7 +183,9 @@ def _compaction_input(session_pk: str) -> tuple[list[dict[str, str]], int, int] 
     latest = Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
     start = latest.through_seq if latest else 0
     rows = list(
-        Message.objects.filter(session_id=session_pk, seq__gt=start).exclude(role="system").order_by("seq")
+        Message.objects.filter(session_id=session_pk, seq__gt=start)
+        .exclude(role="system")
+        .order_by("seq")
     )
     if len(rows) <= KEEP_RECENT:
         return None
@@ -179,12 +199,17 @@ def _compaction_input(session_pk: str) -> tuple[list[dict[str, str]], int, int] 
     previous = f"Earlier summary:\n{latest.summary}\n\n" if latest else ""
     messages = [
         {"role": "system", "content": SUMMARY_PROMPT},
-        {"role": "user", "content": previous + "Conversation:\n" + _transcript(older, limit_chars=60000)},
+        {
+            "role": "user",
+            "content": previous + "Conversation:\n" + _transcript(older, limit_chars=60000),
+        },
     ]
     return messages, through, session.generation
 
 
-def _commit_compaction(*, session_pk: str, through: int, generation: int, summary: str) -> Session | None:
+def _commit_compaction(
+    *, session_pk: str, through: int, generation: int, summary: str
+) -> Session | None:
     with transaction.atomic():
         session = Session.objects.select_for_update().filter(pk=session_pk).first()
         if session is None or session.deleted_at is not None or session.generation != generation:
@@ -208,7 +233,9 @@ async def compact_session(
             await publish.apublish(
                 publish.chat_group(session.channel, session.chat_id),
                 publish.notification_frame(
-                    session_id=session.session_id, level="info", content=_("Nothing to compact yet.")
+                    session_id=session.session_id,
+                    level="info",
+                    content=_("Nothing to compact yet."),
                 ),
             )
         return None
@@ -220,7 +247,9 @@ async def compact_session(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        logger.warning("compaction failed: %s", type(exc).__name__, extra={"session_id": session_pk})
+        logger.warning(
+            "compaction failed: %s", type(exc).__name__, extra={"session_id": session_pk}
+        )
         return None
     finally:
         if own:
@@ -231,7 +260,9 @@ async def compact_session(
         session_pk=session_pk, through=through, generation=generation, summary=summary
     )
     if committed is None:
-        logger.info("compaction skipped: the dialog changed under it", extra={"session_id": session_pk})
+        logger.info(
+            "compaction skipped: the dialog changed under it", extra={"session_id": session_pk}
+        )
         return None
     await publish.apublish(
         publish.chat_group(committed.channel, committed.chat_id),

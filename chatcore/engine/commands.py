@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
 
 from sessions_app import selectors, services
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class CommandContext:
-    owner: AbstractBaseUser
+    owner: User
     channel: str
     chat_id: str
     current: Session | None
@@ -62,7 +62,9 @@ class Command:
 REGISTRY: dict[str, Command] = {}
 
 
-def command(name: str, *, usage: str, help: str, takes_args: bool = False) -> Callable[[Handler], Handler]:
+def command(
+    name: str, *, usage: str, help: str, takes_args: bool = False
+) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
         REGISTRY[name] = Command(name, usage, help, fn, takes_args)
         return fn
@@ -87,7 +89,9 @@ async def run_command(ctx: CommandContext, text: str) -> CommandResult:
             _("Unknown command /%(name)s. Type /help for the list of commands.") % {"name": name}
         )
     if args and not cmd.takes_args:
-        raise BadRequest(_("/%(name)s takes no arguments. Usage: %(usage)s") % {"name": name, "usage": cmd.usage})
+        raise BadRequest(
+            _("/%(name)s takes no arguments. Usage: %(usage)s") % {"name": name, "usage": cmd.usage}
+        )
     return await cmd.handler(ctx, args)
 
 

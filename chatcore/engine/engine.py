@@ -26,7 +26,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Q
@@ -45,7 +45,16 @@ from sessions_app.models import (
 )
 
 from . import background, publish
-from .errors import BadRequest, NothingToRetry, NotFound, Overloaded, QueueFull, RateLimited, ShuttingDown, TooLarge
+from .errors import (
+    BadRequest,
+    NotFound,
+    NothingToRetry,
+    Overloaded,
+    QueueFull,
+    RateLimited,
+    ShuttingDown,
+    TooLarge,
+)
 from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
@@ -62,7 +71,7 @@ logger = logging.getLogger(__name__)
 class Inbound:
     """A normalised inbound message (D5). `channel_context` is opaque to the engine."""
 
-    owner: AbstractBaseUser
+    owner: User
     channel: str
     chat_id: str
     content: str
@@ -209,7 +218,8 @@ class Engine:
             raise BadRequest(_("The message is empty."))
         if len(content) > self.cfg["CONTENT_LIMIT"]:
             raise TooLarge(
-                _("The message is too long (at most %(n)d characters).") % {"n": self.cfg["CONTENT_LIMIT"]}
+                _("The message is too long (at most %(n)d characters).")
+                % {"n": self.cfg["CONTENT_LIMIT"]}
             )
         return content
 
@@ -245,7 +255,11 @@ class Engine:
     def _admit(self, inbound: Inbound, session: Session) -> Ack:
         def write() -> tuple[Ack, Turn | None, services.Appended | None]:
             with transaction.atomic():
-                live = Session.objects.select_for_update().filter(pk=session.pk, deleted_at__isnull=True).first()
+                live = (
+                    Session.objects.select_for_update()
+                    .filter(pk=session.pk, deleted_at__isnull=True)
+                    .first()
+                )
                 if live is None:
                     raise NotFound(_("Dialog not found."))
                 busy = Turn.objects.filter(
@@ -261,9 +275,17 @@ class Engine:
                         source=inbound.source(),
                         received_at=inbound.received_at,
                     )
-                    running = Turn.objects.filter(session_id=session.pk, status=TurnStatus.RUNNING).first()
+                    running = Turn.objects.filter(
+                        session_id=session.pk, status=TurnStatus.RUNNING
+                    ).first()
                     return (
-                        Ack(live, str(running.pk) if running else None, 0, inbound.mode, inbound.client_msg_id),
+                        Ack(
+                            live,
+                            str(running.pk) if running else None,
+                            0,
+                            inbound.mode,
+                            inbound.client_msg_id,
+                        ),
                         None,
                         None,
                     )
@@ -281,7 +303,11 @@ class Engine:
                             )
                         ],
                     )
-                    return Ack(appended.session, None, 0, "inject", inbound.client_msg_id), None, appended
+                    return (
+                        Ack(appended.session, None, 0, "inject", inbound.client_msg_id),
+                        None,
+                        appended,
+                    )
                 turn = self._enqueue_locked(
                     live,
                     owner_id=inbound.owner.pk,
@@ -292,7 +318,17 @@ class Engine:
                 )
                 position = self._position(turn)
                 # An idle steer is a send (C4), acknowledged as such.
-                return Ack(live, str(turn.pk), position, "send" if inbound.mode == "steer" else inbound.mode, inbound.client_msg_id), turn, None
+                return (
+                    Ack(
+                        live,
+                        str(turn.pk),
+                        position,
+                        "send" if inbound.mode == "steer" else inbound.mode,
+                        inbound.client_msg_id,
+                    ),
+                    turn,
+                    None,
+                )
 
         ack, _turn, appended = services.storage_retry(write, what="admit", session=session)
         if appended is not None:
@@ -315,7 +351,10 @@ class Engine:
         queued = Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED).count()
         if queued >= self.cfg["QUEUE_CAPACITY"]:
             raise QueueFull()
-        if Turn.objects.filter(status=TurnStatus.QUEUED).count() >= self.cfg["GLOBAL_ADMISSION_BOUND"]:
+        if (
+            Turn.objects.filter(status=TurnStatus.QUEUED).count()
+            >= self.cfg["GLOBAL_ADMISSION_BOUND"]
+        ):
             raise Overloaded()
         Session.objects.filter(pk=session.pk).update(turn_counter=session.turn_counter + 1)
         session.turn_counter += 1
@@ -334,9 +373,13 @@ class Engine:
     @staticmethod
     def _position(turn: Turn) -> int:
         """How many turns of the dialog are ahead of this one (0 = runs now)."""
-        return Turn.objects.filter(session_id=turn.session_id).filter(
-            Q(status=TurnStatus.RUNNING) | Q(status=TurnStatus.QUEUED, number__lt=turn.number)
-        ).count()
+        return (
+            Turn.objects.filter(session_id=turn.session_id)
+            .filter(
+                Q(status=TurnStatus.RUNNING) | Q(status=TurnStatus.QUEUED, number__lt=turn.number)
+            )
+            .count()
+        )
 
     # --- stop / retry (C6) -------------------------------------------------------------------
 
@@ -363,7 +406,9 @@ class Engine:
             with transaction.atomic():
                 Session.objects.select_for_update().filter(pk=session.pk).first()
                 now = timezone.now()
-                running = Turn.objects.filter(session_id=session.pk, status=TurnStatus.RUNNING).first()
+                running = Turn.objects.filter(
+                    session_id=session.pk, status=TurnStatus.RUNNING
+                ).first()
                 if running is not None:
                     Turn.objects.filter(pk=running.pk).update(cancel_requested=True)
                 dropped = list(Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED))
@@ -371,7 +416,9 @@ class Engine:
                     status=TurnStatus.CANCELLED, reason="dropped", finished_at=now
                 )
                 StagedInput.objects.filter(
-                    session_id=session.pk, status=StagedInput.Status.STAGED, mode=StagedInput.Mode.STEER
+                    session_id=session.pk,
+                    status=StagedInput.Status.STAGED,
+                    mode=StagedInput.Mode.STEER,
                 ).update(status=StagedInput.Status.DROPPED)
                 return running, dropped
 
@@ -391,9 +438,11 @@ class Engine:
             return
         layer = get_channel_layer()
         if layer is not None:
-            await layer.group_send(publish.engine_control_group(), {"type": "engine.cancel", "turn_id": turn_id})
+            await layer.group_send(
+                publish.engine_control_group(), {"type": "engine.cancel", "turn_id": turn_id}
+            )
 
-    async def retry(self, session: Session, *, owner: AbstractBaseUser, client_msg_id: str = "") -> Ack:
+    async def retry(self, session: Session, *, owner: User, client_msg_id: str = "") -> Ack:
         """C6: re-run the last failed or cancelled turn as a new turn, without adding its user
         message again (a send dropped before it started never had one, so it gets it)."""
         if self.closing:
@@ -401,7 +450,11 @@ class Engine:
 
         def write() -> Ack:
             with transaction.atomic():
-                live = Session.objects.select_for_update().filter(pk=session.pk, deleted_at__isnull=True).first()
+                live = (
+                    Session.objects.select_for_update()
+                    .filter(pk=session.pk, deleted_at__isnull=True)
+                    .first()
+                )
                 if live is None:
                     raise NotFound(_("Dialog not found."))
                 last = Turn.objects.filter(session_id=session.pk).order_by("-number").first()
@@ -442,7 +495,9 @@ class Engine:
     def _renew_lease(self, session_pk: str) -> bool:
         expires = timezone.now() + timedelta(seconds=self.cfg["LEASE_SECONDS"])
         return bool(
-            Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(lease_expires_at=expires)
+            Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(
+                lease_expires_at=expires
+            )
         )
 
     def _release_lease(self, session_pk: str) -> None:
@@ -468,7 +523,9 @@ class Engine:
             return
         self._wakeups[session_pk] = asyncio.Event()
         try:
-            self._workers[session_pk] = self.supervisor.spawn(f"worker:{session_pk}", self._worker(session_pk))
+            self._workers[session_pk] = self.supervisor.spawn(
+                f"worker:{session_pk}", self._worker(session_pk)
+            )
         except ShuttingDown:
             await sync_to_async(self._release_lease)(session_pk)
 
@@ -531,7 +588,9 @@ class Engine:
             )
             if turn is None:
                 return None
-            Turn.objects.filter(pk=turn.pk).update(status=TurnStatus.RUNNING, started_at=timezone.now())
+            Turn.objects.filter(pk=turn.pk).update(
+                status=TurnStatus.RUNNING, started_at=timezone.now()
+            )
             turn.status = TurnStatus.RUNNING
             return turn
 
@@ -539,10 +598,14 @@ class Engine:
         """C11: a turn still marked running while we hold a fresh lease belonged to a process
         that died. Close it as failed (`interrupted`), keeping its checkpointed partial."""
         results = []
-        for turn in Turn.objects.filter(session_id=session_pk, status=TurnStatus.RUNNING).select_related("session"):
+        for turn in Turn.objects.filter(
+            session_id=session_pk, status=TurnStatus.RUNNING
+        ).select_related("session"):
             if str(turn.pk) in self.local:
                 continue
-            outcome = Failed(FailureKind.INTERRUPTED, detail="process died", partial=turn.partial_text)
+            outcome = Failed(
+                FailureKind.INTERRUPTED, detail="process died", partial=turn.partial_text
+            )
             session = turn.session
             result = commit_outcome(
                 turn=turn, outcome=outcome, base_generation=session.generation, states=self.states
@@ -576,31 +639,46 @@ class Engine:
         self.local[turn_id] = local
         try:
             try:
-                _appended, generation = await sync_to_async(record_turn_start)(turn=turn, states=self.states)
+                _appended, generation = await sync_to_async(record_turn_start)(
+                    turn=turn, states=self.states
+                )
             except services.StaleSession:
                 await self._finish(turn, session, Stale(), 0)
                 return
             except Exception:
                 logger.exception("could not record the user message", extra=log)
-                await self._finish(turn, session, Failed(FailureKind.INPUT_PERSISTENCE, "input write failed"), 0)
+                await self._finish(
+                    turn, session, Failed(FailureKind.INPUT_PERSISTENCE, "input write failed"), 0
+                )
                 return
             session = await sync_to_async(Session.objects.get)(pk=session.pk)
             local.session = session
             if session.deleted_at is not None:
                 await self._finish(turn, session, Stale(), generation)
                 return
-            runtime = RuntimeInfo(channel=session.channel, dialog_id=session.dialog_id, title=session.title)
-            exclude = str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
+            runtime = RuntimeInfo(
+                channel=session.channel, dialog_id=session.dialog_id, title=session.title
+            )
+            exclude = (
+                str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
+            )
             try:
                 prepared = await self.builder.prepare(
                     session_pk=session.pk, runtime=runtime, exclude_turn_partials=exclude
                 )
             except Exception:
                 logger.exception("context preparation failed", extra=log)
-                await self._finish(turn, session, Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed"), generation)
+                await self._finish(
+                    turn,
+                    session,
+                    Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed"),
+                    generation,
+                )
                 return
             if prepared.dropped_for_budget:
-                await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=False)
+                await sync_to_async(background.request_compaction)(
+                    session_pk=session.pk, manual=False
+                )
 
             async def fetch_staged() -> list[Any]:
                 return await sync_to_async(take_staged)(turn=turn)
@@ -619,14 +697,20 @@ class Engine:
             )
             outcome = await self._run_cancellable(local, runner, prepared)
             if runner.recovered:
-                await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=False)
+                await sync_to_async(background.request_compaction)(
+                    session_pk=session.pk, manual=False
+                )
             await self._finish(turn, session, outcome, generation)
         finally:
             self.local.pop(turn_id, None)
             self.turns_finished += 1
 
-    async def _run_cancellable(self, local: LocalTurn, runner: TurnRunner, prepared: Any) -> TurnOutcome:
-        run = asyncio.get_running_loop().create_task(runner.run(prepared), name=f"run:{local.turn_id}")
+    async def _run_cancellable(
+        self, local: LocalTurn, runner: TurnRunner, prepared: Any
+    ) -> TurnOutcome:
+        run = asyncio.get_running_loop().create_task(
+            runner.run(prepared), name=f"run:{local.turn_id}"
+        )
         cancel_wait = asyncio.get_running_loop().create_task(local.cancel.wait())
         publisher = asyncio.get_running_loop().create_task(self._publish_snapshots(local))
         heartbeat = asyncio.get_running_loop().create_task(self._checkpoint_loop(local))
@@ -640,20 +724,32 @@ class Engine:
                 except asyncio.CancelledError:
                     pass
                 if self.closing:
-                    return Failed(FailureKind.INTERRUPTED, "shutdown", messages=runner.pending, partial=runner.partial)
+                    return Failed(
+                        FailureKind.INTERRUPTED,
+                        "shutdown",
+                        messages=runner.pending,
+                        partial=runner.partial,
+                    )
                 return Cancelled(messages=runner.pending, partial=runner.partial)
             try:
                 return run.result()
             except Exception as exc:
                 logger.exception("turn runner failed", extra={"turn_id": local.turn_id})
-                return Failed(FailureKind.AGENT_CREATION, str(exc), messages=runner.pending, partial=runner.partial)
+                return Failed(
+                    FailureKind.AGENT_CREATION,
+                    str(exc),
+                    messages=runner.pending,
+                    partial=runner.partial,
+                )
         finally:
             for task in (cancel_wait, publisher, heartbeat):
                 task.cancel()
             await asyncio.gather(cancel_wait, publisher, heartbeat, return_exceptions=True)
             await self._flush_snapshot(local)
 
-    async def _finish(self, turn: Turn, session: Session, outcome: TurnOutcome, generation: int) -> None:
+    async def _finish(
+        self, turn: Turn, session: Session, outcome: TurnOutcome, generation: int
+    ) -> None:
         try:
             result = await sync_to_async(commit_outcome)(
                 turn=turn, outcome=outcome, base_generation=generation, states=self.states
@@ -669,7 +765,9 @@ class Engine:
             )
         if isinstance(outcome, Failed):
             logger.warning(
-                "turn failed: %s (%s)", outcome.kind, outcome.provider_kind or outcome.detail,
+                "turn failed: %s (%s)",
+                outcome.kind,
+                outcome.provider_kind or outcome.detail,
                 extra={"turn_id": str(turn.pk), "session_id": session.session_id},
             )
         await publish.apublish(
@@ -692,7 +790,9 @@ class Engine:
         steers after a completed turn become sends (C4: when idle, steer is a send); after a
         failure steers stay staged for the next send or retry; a stop dropped them."""
         staged = list(
-            StagedInput.objects.filter(session_id=turn.session_id, status=StagedInput.Status.STAGED).order_by("received_at")
+            StagedInput.objects.filter(
+                session_id=turn.session_id, status=StagedInput.Status.STAGED
+            ).order_by("received_at")
         )
         if not staged:
             return
@@ -702,14 +802,15 @@ class Engine:
                 session_pk=turn.session_id,
                 messages=[
                     services.NewMessage(
-                        role=Role.USER, content=i.content, kind=MessageKind.INJECT,
-                        created_at=i.received_at, source=dict(i.source),
+                        role=Role.USER,
+                        content=i.content,
+                        kind=MessageKind.INJECT,
+                        created_at=i.received_at,
+                        source=dict(i.source),
                     )
                     for i in injects
                 ],
-                extra=lambda s: StagedInput.objects.filter(pk__in=[i.pk for i in injects]).update(
-                    status=StagedInput.Status.RECORDED
-                ),
+                extra=lambda _s: _mark_recorded([i.pk for i in injects]),
             )
             self.states.apply_appended(appended)
         if result.status == TurnStatus.COMPLETED:
@@ -783,7 +884,9 @@ class Engine:
         while True:
             await asyncio.sleep(interval)
             text = local.snapshot.text
-            cancel = await sync_to_async(self._checkpoint)(local.turn_id, None if text == written else text)
+            cancel = await sync_to_async(self._checkpoint)(
+                local.turn_id, None if text == written else text
+            )
             written = text
             if cancel:
                 local.cancel.set()
@@ -869,9 +972,14 @@ class Engine:
         """Wait until this engine has no worker (for one dialog, or at all)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            workers = [w for pk, w in self._workers.items() if session_pk is None or pk == session_pk]
+            workers = [
+                w for pk, w in self._workers.items() if session_pk is None or pk == session_pk
+            ]
             if not workers:
                 return
             await asyncio.wait(workers, timeout=max(0.0, deadline - time.monotonic()))
         raise TimeoutError("engine did not become idle")
 
+
+def _mark_recorded(pks: list[Any]) -> None:
+    StagedInput.objects.filter(pk__in=pks).update(status=StagedInput.Status.RECORDED)

@@ -84,7 +84,9 @@ class ChatProvider(Protocol):
     async def aclose(self) -> None: ...
 
 
-async def complete_text(provider: ChatProvider, messages: list[dict[str, Any]], *, purpose: str) -> str:
+async def complete_text(
+    provider: ChatProvider, messages: list[dict[str, Any]], *, purpose: str
+) -> str:
     """Run a tool-less request to its end and return the text (titles, summaries)."""
     text = ""
     async for event in provider.stream(messages=messages, tools=None, purpose=purpose):
@@ -115,14 +117,18 @@ def classify_http_error(status: int, body: str) -> ProviderError:
     except (ValueError, AttributeError):
         detail = body[:500]
     if _OVERFLOW.search(code) or _OVERFLOW.search(detail):
-        return ProviderError("context_overflow", "the conversation is too long for the model", status=status)
+        return ProviderError(
+            "context_overflow", "the conversation is too long for the model", status=status
+        )
     if status in (401, 403):
         return ProviderError("auth", "the model server refused the credentials", status=status)
     if status == 429:
         return ProviderError("rate_limited", "the model server is rate limiting", status=status)
     if status >= 500:
         return ProviderError("server", f"the model server failed (HTTP {status})", status=status)
-    return ProviderError("bad_request", f"the model server rejected the request (HTTP {status})", status=status)
+    return ProviderError(
+        "bad_request", f"the model server rejected the request (HTTP {status})", status=status
+    )
 
 
 class OpenAIProvider:
@@ -152,7 +158,9 @@ class OpenAIProvider:
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=min(pool_size, 10)),
+            limits=httpx.Limits(
+                max_connections=pool_size, max_keepalive_connections=min(pool_size, 10)
+            ),
         )
 
     @classmethod
@@ -208,7 +216,9 @@ class OpenAIProvider:
                     raise
                 attempt += 1
                 delay = self.retry_base_delay * (2 ** (attempt - 1)) * (1 + random.random() / 4)  # noqa: S311
-                logger.warning("model request failed (%s), retry %d in %.2fs", exc.kind, attempt, delay)
+                logger.warning(
+                    "model request failed (%s), retry %d in %.2fs", exc.kind, attempt, delay
+                )
                 await asyncio.sleep(delay)
 
     async def _stream_once(self, payload: dict[str, Any]) -> AsyncIterator[ProviderEvent]:
@@ -218,7 +228,9 @@ class OpenAIProvider:
         usage: dict[str, Any] = {}
         finish_reason = ""
         try:
-            async with self._client.stream("POST", url, json=payload, headers=self._headers()) as resp:
+            async with self._client.stream(
+                "POST", url, json=payload, headers=self._headers()
+            ) as resp:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     logger.warning("model server HTTP %s: %s", resp.status_code, scrub(body[:500]))
@@ -233,7 +245,9 @@ class OpenAIProvider:
                     try:
                         chunk = json.loads(data)
                     except ValueError as exc:
-                        raise ProviderError("bad_response", "the model server sent malformed data") from exc
+                        raise ProviderError(
+                            "bad_response", "the model server sent malformed data"
+                        ) from exc
                     if chunk.get("error"):
                         raise classify_http_error(500, json.dumps(chunk))
                     if chunk.get("usage"):
@@ -245,7 +259,9 @@ class OpenAIProvider:
                             text_parts.append(piece)
                             yield TextDelta(piece)
                         for tc in delta.get("tool_calls") or []:
-                            slot = calls.setdefault(int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""})
+                            slot = calls.setdefault(
+                                int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+                            )
                             if tc.get("id"):
                                 slot["id"] = tc["id"]
                             fn = tc.get("function") or {}
@@ -261,12 +277,17 @@ class OpenAIProvider:
             logger.warning("model server connection failed: %s", scrub(str(exc)))
             raise ProviderError("connection", "could not reach the model server") from exc
         tool_calls = [
-            ToolCall(id=slot["id"] or f"call_{i}", name=slot["name"], arguments=slot["arguments"] or "{}")
+            ToolCall(
+                id=slot["id"] or f"call_{i}", name=slot["name"], arguments=slot["arguments"] or "{}"
+            )
             for i, slot in sorted(calls.items())
             if slot["name"]
         ]
         yield Completion(
-            text="".join(text_parts), tool_calls=tool_calls, usage=usage, finish_reason=finish_reason
+            text="".join(text_parts),
+            tool_calls=tool_calls,
+            usage=usage,
+            finish_reason=finish_reason,
         )
 
 
@@ -301,13 +322,21 @@ class DemoProvider:
         tool_names = {t["function"]["name"] for t in tools or []}
         last = messages[-1] if messages else {}
         if "current_time" in tool_names and last.get("role") == "user":
-            yield Completion(text="", tool_calls=[ToolCall("demo_call_1", "current_time", "{}")], finish_reason="tool_calls")
+            yield Completion(
+                text="",
+                tool_calls=[ToolCall("demo_call_1", "current_time", "{}")],
+                finish_reason="tool_calls",
+            )
             return
         now = next((m["content"] for m in reversed(messages) if m.get("role") == "tool"), "")
         reply = (
             "[demo provider] No model server is configured (set LLM_BASE_URL to use a real model). "
             f"You said: \u201c{last_user[:500]}\u201d. "
-            + (f"I asked the current_time tool: {now}." if now else f"It is {datetime.now(UTC):%H:%M} UTC.")
+            + (
+                f"I asked the current_time tool: {now}."
+                if now
+                else f"It is {datetime.now(UTC):%H:%M} UTC."
+            )
         )
         parts = re.findall(r"\S+\s*", reply)
         for part in parts:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.auth.models import User
 from django.db import DatabaseError
 
 from sessions_app import selectors, services
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_dialog(
     *,
-    owner: AbstractBaseUser,
+    owner: User,
     channel: str,
     chat_id: str,
     dialog_id: str | None = None,
@@ -54,7 +54,7 @@ def resolve_dialog(
     return services.session_create(owner=owner, channel=channel, chat_id=chat_id)
 
 
-def dialog_after_delete(*, owner: AbstractBaseUser, channel: str, chat_id: str) -> Session:
+def dialog_after_delete(*, owner: User, channel: str, chat_id: str) -> Session:
     """The dialog that becomes current after `/delete`: the most recent live one, else new."""
     remaining = selectors.dialog_list_for_chat(
         owner_id=owner.pk, channel=channel, chat_id=chat_id, limit=1

@@ -178,7 +178,9 @@ class TurnInputBuilder:
     def _load_history(self, session_pk: str) -> tuple[Session, list[Message], Compaction | None]:
         session = Session.objects.get(pk=session_pk)
         history = self.states.history(session)
-        compaction = Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
+        compaction = (
+            Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
+        )
         return session, history, compaction
 
     def assemble(
@@ -205,7 +207,10 @@ class TurnInputBuilder:
         through = compaction.through_seq if compaction else 0
         if compaction:
             head.append(
-                {"role": "system", "content": "Summary of the earlier conversation:\n" + compaction.summary}
+                {
+                    "role": "system",
+                    "content": "Summary of the earlier conversation:\n" + compaction.summary,
+                }
             )
 
         body: list[dict[str, Any]] = []
@@ -221,9 +226,9 @@ class TurnInputBuilder:
 
         # C8: trim oversized tool results of earlier turns, in the model input only.
         limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
-        for i, m in enumerate(body[:turn_start]):
-            if m["role"] == "tool" and len(m["content"]) > limit:
-                body[i] = {**m, "content": m["content"][:limit] + TRIMMED_NOTE}
+        for i, item in enumerate(body[:turn_start]):
+            if item["role"] == "tool" and len(item["content"]) > limit:
+                body[i] = {**item, "content": item["content"][:limit] + TRIMMED_NOTE}
 
         # Keep within budget by leaving out the oldest messages (never this turn's).
         dropped = 0

@@ -12,11 +12,28 @@ from django.db import transaction
 from django.utils import timezone
 
 from sessions_app import services
-from sessions_app.models import MessageKind, MessageStatus, Role, Session, StagedInput, Turn, TurnStatus
+from sessions_app.models import (
+    MessageKind,
+    MessageStatus,
+    Role,
+    Session,
+    StagedInput,
+    Turn,
+    TurnStatus,
+)
 
 from ..errors import StorageError
 from ..sessions import SessionStates
-from .outcome import Cancelled, Completed, Failed, FailureKind, PendingMessage, Stale, TurnOutcome, present_failure
+from .outcome import (
+    Cancelled,
+    Completed,
+    Failed,
+    FailureKind,
+    PendingMessage,
+    Stale,
+    TurnOutcome,
+    present_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +66,13 @@ def _finish_turn(turn_pk: Any, **fields: Any) -> None:
 
 def _finish_turn_durably(turn_pk: Any, session: Session | None, **fields: Any) -> None:
     try:
-        services.storage_retry(lambda: _finish_turn(turn_pk, **fields), what="turn_finish", session=session)
+        services.storage_retry(
+            lambda: _finish_turn(turn_pk, **fields), what="turn_finish", session=session
+        )
     except StorageError:
-        logger.error("could not record the end of turn %s", turn_pk, extra={"turn_id": str(turn_pk)})
+        logger.error(
+            "could not record the end of turn %s", turn_pk, extra={"turn_id": str(turn_pk)}
+        )
 
 
 def commit_outcome(
@@ -85,7 +106,10 @@ def commit_outcome(
     else:
         assert isinstance(outcome, Failed)
         status, reason = TurnStatus.FAILED, ""
-        error = {"kind": str(outcome.kind), "message": present_failure(outcome.kind, outcome.provider_kind)}
+        error = {
+            "kind": str(outcome.kind),
+            "message": present_failure(outcome.kind, outcome.provider_kind),
+        }
         extra_fields = {"error_kind": str(outcome.kind), "error_message": error["message"]}
         if outcome.partial:
             messages.append(
@@ -172,7 +196,9 @@ def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Ap
     if not new:
         session = Session.objects.get(pk=turn.session_id)
         return None, session.generation
-    appended = services.messages_append(session_pk=turn.session_id, messages=new, turn=turn, extra=mark)
+    appended = services.messages_append(
+        session_pk=turn.session_id, messages=new, turn=turn, extra=mark
+    )
     states.apply_appended(appended)
     return appended, appended.session.generation
 

@@ -70,8 +70,13 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
     """The single place that words failures for people (C10). Never includes raw errors."""
     if kind == FailureKind.PROVIDER:
         return {
-            "context_overflow": _("The conversation is too long for the model, even after compacting it."),
-            "auth": _("The model server refused our credentials. An operator needs to check the configuration."),
+            "context_overflow": _(
+                "The conversation is too long for the model, even after compacting it."
+            ),
+            "auth": _(
+                "The model server refused our credentials. "
+                "An operator needs to check the configuration."
+            ),
             "rate_limited": _("The model server is busy right now. Please retry in a moment."),
             "timeout": _("The model server took too long to answer. Please retry."),
             "connection": _("The model server could not be reached. Please retry later."),
@@ -79,8 +84,14 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
     return {
         FailureKind.INPUT_PERSISTENCE: _("Your message could not be saved. Please send it again."),
         FailureKind.AGENT_CREATION: _("The assistant could not be started. Please retry."),
-        FailureKind.CONTEXT_PREPARATION: _("The conversation context could not be prepared. Please retry."),
-        FailureKind.TURN_PERSISTENCE: _("The answer could not be saved, so it was not delivered. Please retry."),
+        FailureKind.CONTEXT_PREPARATION: _(
+            "The conversation context could not be prepared. Please retry."
+        ),
+        FailureKind.TURN_PERSISTENCE: _(
+            "The answer could not be saved, so it was not delivered. Please retry."
+        ),
         FailureKind.DELIVERY: _("The answer could not be delivered."),
-        FailureKind.INTERRUPTED: _("The answer was interrupted because the server stopped. Please retry."),
+        FailureKind.INTERRUPTED: _(
+            "The answer was interrupted because the server stopped. Please retry."
+        ),
     }.get(FailureKind(kind), _("Something went wrong. Please retry."))

@@ -27,7 +27,9 @@ CHANNEL = "cli"
 class Terminal:
     """Reads lines, forwards them to the engine, prints what the chat's clients would see."""
 
-    def __init__(self, *, user: Any, chat_id: str, dialog_id: str | None, out: Any, err: Any) -> None:
+    def __init__(
+        self, *, user: Any, chat_id: str, dialog_id: str | None, out: Any, err: Any
+    ) -> None:
         self.user = user
         self.chat_id = chat_id
         self.dialog_id = dialog_id
@@ -52,14 +54,19 @@ class Terminal:
         runtime.set_engine(engine)
         try:
             self.current = await sync_to_async(resolve_dialog)(
-                owner=self.user, channel=CHANNEL, chat_id=self.chat_id,
-                dialog_id=self.dialog_id, create=True,
+                owner=self.user,
+                channel=CHANNEL,
+                chat_id=self.chat_id,
+                dialog_id=self.dialog_id,
+                create=True,
             )
             self.channel = await self.layer.new_channel("cli.")
             await self.layer.group_add(publish.chat_group(CHANNEL, self.chat_id), self.channel)
             await self._follow(self.current)
             listener = engine.supervisor.spawn("cli-listen", self._listen(), daemon=True)
-            self.err.write(f"[dialog {self.current.dialog_id}: {self.current.title}] /help lists commands\n")
+            self.err.write(
+                f"[dialog {self.current.dialog_id}: {self.current.title}] /help lists commands\n"
+            )
             loop = asyncio.get_running_loop()
             while True:
                 line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -89,7 +96,11 @@ class Terminal:
         assert self.current is not None
         if commands.is_command(text):
             ctx = commands.CommandContext(
-                owner=self.user, channel=CHANNEL, chat_id=self.chat_id, current=self.current, engine=engine
+                owner=self.user,
+                channel=CHANNEL,
+                chat_id=self.chat_id,
+                current=self.current,
+                engine=engine,
             )
             try:
                 result = await commands.run_command(ctx, text)
@@ -102,7 +113,11 @@ class Terminal:
             self.write(result.content + "\n")
             return
         inbound = Inbound(
-            owner=self.user, channel=CHANNEL, chat_id=self.chat_id, content=text, sender_id=str(self.user.pk)
+            owner=self.user,
+            channel=CHANNEL,
+            chat_id=self.chat_id,
+            content=text,
+            sender_id=str(self.user.pk),
         )
         try:
             ack = await engine.submit(inbound, self.current)
@@ -128,7 +143,11 @@ class Terminal:
                         self.write(new)
                         self.printed[turn_id] = known + new
             elif kind == "history_delta" and turn_id in self.pending:
-                answers = [m for m in frame["messages"] if m["role"] == "assistant" and not m.get("tool_calls")]
+                answers = [
+                    m
+                    for m in frame["messages"]
+                    if m["role"] == "assistant" and not m.get("tool_calls")
+                ]
                 if answers:
                     final = "\n\n".join(m["content"] for m in answers)
                     known = self.printed.get(turn_id, "")
@@ -159,7 +178,9 @@ class Command(BaseCommand):
     help = "Chat in the terminal: one line of input is one message; slash commands work."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--chat-id", help="your chat id (u<id> or u<id>.<name>), or just <name>")
+        parser.add_argument(
+            "--chat-id", help="your chat id (u<id> or u<id>.<name>), or just <name>"
+        )
         parser.add_argument("--dialog-id", help="dialog to use (created when missing)")
         parser.add_argument("--user", default="cli", help="username (created when missing)")
 
@@ -176,7 +197,9 @@ class Command(BaseCommand):
                 validate_part(dialog_id, field="dialog_id")
         except ChatError as exc:
             raise CommandError(exc.message) from exc
-        terminal = Terminal(user=user, chat_id=chat_id, dialog_id=dialog_id, out=sys.stdout, err=sys.stderr)
+        terminal = Terminal(
+            user=user, chat_id=chat_id, dialog_id=dialog_id, out=sys.stdout, err=sys.stderr
+        )
         asyncio.run(terminal.run())
 
     @staticmethod

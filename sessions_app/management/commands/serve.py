@@ -1,0 +1,170 @@
+"""`serve [--host H] [--port P]`: run the ASGI app under Daphne, with the engine in its loop.
+
+`make run` uses it in embedded mode; scaled mode runs several of these processes on different
+ports against the same PostgreSQL and Redis. Unlike `runserver` it has no autoreloader, serves
+static files itself (no proxy needed for a demo or a small deployment), starts the engine
+runtime inside Daphne's asyncio loop before the first request, and lets the engine shut down
+gracefully on SIGINT/SIGTERM before the reactor stops.
+"""
+
+from __future__ import annotations
+
+# Daphne must install Twisted's asyncio reactor before anything imports Twisted's default
+# reactor; `daphne.server` does that on import (as daphne's own cli.py relies on), so it is
+# imported before every other third-party module here. The `daphne` app in INSTALLED_APPS
+# imports it even earlier, during django.setup().
+import daphne.server  # isort: skip
+import asyncio
+import logging
+import os
+import re
+from typing import Any
+
+from daphne.access import AccessLogGenerator
+from daphne.endpoints import build_endpoint_description_strings
+from django.conf import settings
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from twisted.internet import defer, reactor
+
+logger = logging.getLogger(__name__)
+
+# STYLE 5: turns do not belong to sockets, so an application instance whose client has left
+# only needs a short grace period to finish its own cleanup; Daphne's default (10 s) fits.
+APPLICATION_CLOSE_TIMEOUT = 10
+# Daphne drops a connection whose frame exceeds its limit without a word. Keep its limit well
+# above the engine's frame limit (F6, 256 KiB) so the consumer can answer `too_large` itself.
+MIN_WEBSOCKET_MESSAGE_SIZE = 1024 * 1024
+
+
+class _Server(daphne.server.Server):
+    """Daphne's server, telling the command once it really listens."""
+
+    def __init__(self, *args: Any, on_listening: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_listening = on_listening
+
+    def listen_success(self, port: Any) -> None:
+        super().listen_success(port)
+        host = port.getHost()
+        self._on_listening(host.host, host.port)
+
+
+def _redact(url: str) -> str:
+    """A URL fit for output: credentials removed (F4: secrets never logged)."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
+
+
+class Command(BaseCommand):
+    help = "Serve HTTP and WebSockets with Daphne (default http://127.0.0.1:$PORT, port 8000)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=None,
+            help="port to listen on (default: $PORT or 8000; 0 picks a free one)",
+        )
+        parser.add_argument(
+            "--nostatic",
+            action="store_false",
+            dest="serve_static",
+            help="do not serve static files (a proxy or CDN serves STATIC_URL)",
+        )
+        parser.add_argument(
+            "--access-log",
+            action="store_true",
+            help="print one line per request to stdout",
+        )
+        parser.add_argument(
+            "--application-close-timeout",
+            type=int,
+            default=APPLICATION_CLOSE_TIMEOUT,
+            help="seconds an app instance may run after its client left (default 10)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        host: str = options["host"]
+        port: int = options["port"] if options["port"] is not None else _env_port()
+        if not 0 <= port <= 65535:
+            raise CommandError(f"Invalid port {port}.")
+
+        from chatcore.asgi import application
+
+        app: Any = application
+        if options["serve_static"]:
+            app = ASGIStaticFilesHandler(app)
+
+        frame_limit = settings.CHAT.get("FRAME_LIMIT_BYTES")
+        if not isinstance(frame_limit, int):
+            frame_limit = 0
+        max_message = max(MIN_WEBSOCKET_MESSAGE_SIZE, 2 * frame_limit)
+        display_host = f"[{host}]" if ":" in host else host
+
+        def on_listening(bound_host: str, bound_port: int) -> None:
+            self.stdout.write(f"Serving on http://{display_host}:{bound_port}")
+            self.stdout.flush()
+
+        def on_ready() -> None:
+            # Daphne calls this before its reactor runs the asyncio loop; schedule the engine
+            # start as the loop's first callback so it binds to the running loop.
+            from chatcore.engine import runtime
+
+            asyncio.get_event_loop().call_soon(runtime.start_in_current_loop)
+            # F1, B3: on SIGINT/SIGTERM the reactor waits for the engine to refuse new work
+            # and reap its tasks (bounded by its own grace period) before it stops.
+            twisted_reactor: Any = reactor  # its zope interface confuses mypy
+            twisted_reactor.addSystemEventTrigger("before", "shutdown", _engine_shutdown)
+
+        if settings.SCALED:
+            mode = f"scaled mode: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
+            mode += f", Redis {_redact(settings.REDIS_URL)}"
+        else:
+            mode = f"embedded mode: {settings.DATABASES['default']['ENGINE'].rsplit('.', 1)[-1]}"
+            mode += ", in-memory channel layer, in-process background jobs"
+        self.stdout.write(f"Starting Daphne on {display_host}:{port} ({mode}). Ctrl-C stops it.")
+        self.stdout.flush()
+
+        server = _Server(
+            application=app,
+            endpoints=build_endpoint_description_strings(host=host, port=port),
+            signal_handlers=True,
+            action_logger=AccessLogGenerator(self.stdout) if options["access_log"] else None,
+            http_timeout=None,  # SSE streams last as long as their turn
+            websocket_max_message_size=max_message,
+            websocket_max_frame_size=max_message,
+            application_close_timeout=options["application_close_timeout"],
+            root_path=getattr(settings, "FORCE_SCRIPT_NAME", "") or "",
+            ready_callable=on_ready,
+            on_listening=on_listening,
+        )
+        server.run()
+        if not server.listening_addresses:
+            raise CommandError(
+                f"Could not listen on {display_host}:{port} (is the port in use? "
+                "try another with --port or PORT=...)."
+            )
+
+
+def _engine_shutdown() -> defer.Deferred[None]:
+    from chatcore.engine import runtime
+
+    grace = settings.CHAT.get("SHUTDOWN_GRACE_SECONDS")
+    limit = (grace if isinstance(grace, int | float) else 10.0) + 5.0
+
+    async def stop() -> None:
+        try:
+            await asyncio.wait_for(runtime.shutdown(), timeout=limit)
+        except Exception:
+            logger.exception("engine shutdown did not finish cleanly")
+
+    return defer.Deferred.fromFuture(asyncio.ensure_future(stop()))
+
+
+def _env_port() -> int:
+    raw = os.environ.get("PORT", "").strip()
+    try:
+        return int(raw) if raw else 8000
+    except ValueError as exc:
+        raise CommandError(f"PORT must be a number, not {raw!r}.") from exc

@@ -185,6 +185,10 @@ CHAT: dict[str, Any] = {
     "SHUTDOWN_GRACE_SECONDS": 10.0,
 }
 
+# `make run`: the port to serve on and the demo login it makes sure exists.
+PORT = _env_int("PORT", 8000)
+DEMO_PASSWORD = os.environ.get("DEMO_PASSWORD") or "demo-password"  # noqa: S105 - local demo
+
 LLM: dict[str, Any] = {
     "BASE_URL": os.environ.get("LLM_BASE_URL", "").strip().rstrip("/"),
     "API_KEY": os.environ.get("LLM_API_KEY", ""),

@@ -22,7 +22,9 @@ def chat_group_of(session: Session) -> str:
     return publish.chat_group(session.channel, session.chat_id)
 
 
-async def send(engine: Engine, session: Session, content: str, mode: str = "send", **kw: Any) -> Any:
+async def send(
+    engine: Engine, session: Session, content: str, mode: str = "send", **kw: Any
+) -> Any:
     inbound = Inbound(
         owner=session.owner,
         channel=session.channel,
@@ -36,7 +38,9 @@ async def send(engine: Engine, session: Session, content: str, mode: str = "send
 
 
 async def history(session: Session) -> list[Message]:
-    return await sync_to_async(lambda: list(Message.objects.filter(session_id=session.pk).order_by("seq")))()
+    return await sync_to_async(
+        lambda: list(Message.objects.filter(session_id=session.pk).order_by("seq"))
+    )()
 
 
 async def turn(turn_id: str) -> Turn:

@@ -33,7 +33,9 @@ def embedded_env(var_dir: Path, **extra: str) -> dict[str, str]:
     }
 
 
-def manage(*args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def manage(
+    *args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "manage.py", *args],
         cwd=ROOT,

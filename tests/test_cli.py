@@ -65,8 +65,13 @@ def test_killed_mid_answer_then_restarted_recovers(cli_env, fake_model, tmp_path
     # covers: C11, A5
     fake_model.script(Reply(text="half of an answer ", endless=True))
     proc = popen_manage(
-        "chat", "--dialog-id", "d1", env=cli_env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        "chat",
+        "--dialog-id",
+        "d1",
+        env=cli_env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdin is not None
     proc.stdin.write("tell me everything\nand then this\n")
@@ -107,4 +112,8 @@ def test_killed_mid_answer_then_restarted_recovers(cli_env, fake_model, tmp_path
     ]
     interrupted = [m for m in messages if m[2] == "interrupted"]
     assert len(interrupted) == 1 and interrupted[0][1].startswith("half of an answer")
-    assert [m[1] for m in messages if m[0] == "user"] == ["tell me everything", "and then this", "one more"]
+    assert [m[1] for m in messages if m[0] == "user"] == [
+        "tell me everything",
+        "and then this",
+        "one more",
+    ]

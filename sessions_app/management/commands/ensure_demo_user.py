@@ -6,15 +6,14 @@ changes nothing (a password changed since is kept) unless `--reset` is given.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
 DEMO_USERNAME = "demo"
-DEFAULT_DEMO_PASSWORD = "demo-password"  # noqa: S105 - a documented local demo login
 
 
 class Command(BaseCommand):
@@ -34,8 +33,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        password = os.environ.get("DEMO_PASSWORD") or DEFAULT_DEMO_PASSWORD
-        port = options["port"] or int(os.environ.get("PORT") or 8000)
+        password = settings.DEMO_PASSWORD
+        port = options["port"] or settings.PORT
         user_model = get_user_model()
         manager = user_model._default_manager
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import daphne.server  # isort: skip
 import asyncio
 import logging
-import os
 import re
 from typing import Any
 
@@ -86,7 +85,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         host: str = options["host"]
-        port: int = options["port"] if options["port"] is not None else _env_port()
+        port: int = options["port"] if options["port"] is not None else settings.PORT
         if not 0 <= port <= 65535:
             raise CommandError(f"Invalid port {port}.")
 
@@ -160,11 +159,3 @@ def _engine_shutdown() -> defer.Deferred[None]:
             logger.exception("engine shutdown did not finish cleanly")
 
     return defer.Deferred.fromFuture(asyncio.ensure_future(stop()))
-
-
-def _env_port() -> int:
-    raw = os.environ.get("PORT", "").strip()
-    try:
-        return int(raw) if raw else 8000
-    except ValueError as exc:
-        raise CommandError(f"PORT must be a number, not {raw!r}.") from exc

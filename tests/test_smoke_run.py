@@ -1,0 +1,163 @@
+"""What `make run` does, end to end: migrate, ensure the demo login, `serve` under Daphne, then
+a real HTTP client checks health, the login page, signing in and the admin.
+
+Runs in embedded mode in a temporary CHAT_VAR_DIR (its own SQLite file), whatever the outer
+environment says about DATABASE_URL and REDIS_URL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_DEADLINE_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The base URL of a `serve` process started as `make run` does, and its log file."""
+    var_dir = tmp_path_factory.mktemp("var")
+    env = {
+        **os.environ,
+        "CHAT_VAR_DIR": str(var_dir),
+        "DATABASE_URL": "",
+        "REDIS_URL": "",
+        "DJANGO_DEBUG": "0",
+        "LLM_BASE_URL": "",
+        "DEMO_PASSWORD": "smoke-test-password",
+        "PYTHONUNBUFFERED": "1",
+    }
+    for args in (("migrate", "--noinput"), ("ensure_demo_user",)):
+        done = _manage(*args, env=env)
+        assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
+        if args[0] == "ensure_demo_user":
+            assert "Demo login: demo / smoke-test-password" in done.stdout
+
+    port = _free_port()
+    log_path = var_dir / "serve.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        while True:
+            assert proc.poll() is None, f"serve exited early:\n{log_path.read_text()}"
+            try:
+                if httpx.get(f"{base}/healthz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"serve never answered:\n{log_path.read_text()}"
+            time.sleep(0.2)
+        yield base, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_serve_prints_its_address(served: tuple[str, Path]) -> None:
+    base, log_path = served
+
+    assert f"Serving on {base}" in log_path.read_text()
+
+
+def test_health_endpoint_reports_ok_in_embedded_mode(served: tuple[str, Path]) -> None:
+    # covers: F4
+    base, _ = served
+
+    response = httpx.get(f"{base}/healthz", timeout=10.0)
+
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ok"
+    assert body["mode"] == "embedded"
+
+
+def test_static_files_are_served(served: tuple[str, Path]) -> None:
+    base, _ = served
+
+    response = httpx.get(f"{base}/static/chat/base.css", timeout=10.0)
+
+    assert response.status_code == 200
+    assert ".auth-card" in response.text
+
+
+def test_demo_user_logs_in_and_reaches_the_admin(served: tuple[str, Path]) -> None:
+    # covers: F2, E2
+    base, _ = served
+    with httpx.Client(base_url=base, timeout=10.0) as client:
+        page = client.get("/accounts/login/")
+        assert page.status_code == 200
+        assert "<form" in page.text and 'name="password"' in page.text
+        match = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert match, "the login form has no CSRF token"
+
+        wrong = client.post(
+            "/accounts/login/",
+            data={
+                "csrfmiddlewaretoken": match.group(1),
+                "username": "demo",
+                "password": "not-the-password",
+            },
+        )
+        assert wrong.status_code == 200
+        assert 'role="alert"' in wrong.text  # the form shows its error
+
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', wrong.text)
+        assert token
+        signed_in = client.post(
+            "/accounts/login/",
+            data={
+                "csrfmiddlewaretoken": token.group(1),
+                "username": "demo",
+                "password": "smoke-test-password",
+                "next": "/admin/",
+            },
+        )
+        assert signed_in.status_code == 302, signed_in.text
+        assert signed_in.headers["location"] == "/admin/"
+
+        admin = client.get("/admin/")
+        assert admin.status_code == 200
+        assert "demo" in admin.text
+        assert 'id="login-form"' not in admin.text  # the admin index, not its login page

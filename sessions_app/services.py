@@ -23,7 +23,7 @@ from django.utils.translation import gettext as _
 
 from chatcore.engine import publish
 from chatcore.engine.errors import BadRequest, NotFound, StorageError
-from chatcore.engine.ids import DEFAULT_DIALOG, SessionKey, chat_belongs_to, validate_part
+from chatcore.engine.ids import SessionKey, chat_belongs_to, validate_part
 
 from .models import (
     ApiToken,
@@ -122,8 +122,17 @@ def session_create(
     title: str | None = None,
 ) -> Session:
     """Create a live dialog with its welcome message (B2) and tell the chat's clients."""
-    key = SessionKey.build(channel, chat_id, dialog_id or new_dialog_id())
+    key = SessionKey.build(
+        channel, chat_id, dialog_id if dialog_id is not None else new_dialog_id()
+    )
     if not chat_belongs_to(owner.pk, key.channel, key.chat_id):
+        raise NotFound(_("Chat not found."))
+    if (
+        Session.objects.filter(channel=key.channel, chat_id=key.chat_id)
+        .exclude(owner_id=owner.pk)
+        .exists()
+    ):
+        # A1: an external platform's chat belongs to the account that connected it first.
         raise NotFound(_("Chat not found."))
     clean = clean_title(title) if title is not None else None
 
@@ -180,33 +189,13 @@ def _announce_created(session: Session, welcome: Message) -> None:
     )
 
 
-def session_get_or_create_default(*, owner: User, channel: str, chat_id: str) -> Session:
-    existing = (
-        Session.objects.filter(
-            channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG, deleted_at__isnull=True
-        )
-        .select_related("owner")
-        .first()
-    )
-    if existing is not None:
-        return existing
-    try:
-        return session_create(
-            owner=owner, channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG
-        )
-    except BadRequest:
-        return Session.objects.get(
-            channel=channel, chat_id=chat_id, dialog_id=DEFAULT_DIALOG, deleted_at__isnull=True
-        )
-
-
 def session_rename(*, session: Session, title: str, source: str = TitleSource.USER) -> Session:
     """Rename a dialog. A rename by a person always wins over automatic titles (B4)."""
     clean = clean_title(title)
 
     def write() -> None:
         with transaction.atomic():
-            updated = Session.objects.filter(pk=session.pk).update(
+            updated = Session.objects.filter(pk=session.pk, deleted_at__isnull=True).update(
                 title=clean, title_source=source, state_version=F("state_version") + 1
             )
             if not updated:

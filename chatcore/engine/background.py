@@ -8,6 +8,7 @@ in-process under the engine's supervisor. Either way a turn never waits for them
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import re
 from collections.abc import Callable, Coroutine
@@ -80,7 +81,9 @@ def _schedule(job: str, **kwargs: Any) -> None:
             f"{job}:{kwargs.get('session_pk')}", coro_fn(provider=engine.provider, **kwargs)
         )
 
-    loop.call_soon_threadsafe(spawn)
+    # A fresh context: the caller's (a sync_to_async worker) must not leak into the job, or
+    # asgiref would take the job's own sync_to_async calls for nested ones and refuse them.
+    loop.call_soon_threadsafe(spawn, context=contextvars.Context())
 
 
 def after_turn(*, session_pk: str) -> None:

@@ -9,14 +9,14 @@ from django.utils.translation import gettext as _
 
 from .errors import BadRequest
 
-ID_PART = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ID_PART = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DEFAULT_DIALOG = "default"
 # First-party channels: the chat id is derived from the owning user (A1).
 FIRST_PARTY_CHANNELS = frozenset({"web", "api", "cli"})
 
 
 def validate_part(value: object, *, field: str) -> str:
-    if not isinstance(value, str) or not ID_PART.match(value):
+    if not isinstance(value, str) or not ID_PART.fullmatch(value):
         raise BadRequest(
             _("Invalid %(field)s: use 1 to 64 letters, digits, '_', '.' or '-'.") % {"field": field}
         )

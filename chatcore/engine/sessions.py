@@ -21,6 +21,7 @@ from django.db import DatabaseError
 from sessions_app import selectors, services
 from sessions_app.models import Message, Session
 
+from .errors import NotFound
 from .ids import validate_part
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def resolve_dialog(
             return selectors.dialog_get(
                 owner_id=owner.pk, channel=channel, chat_id=chat_id, dialog_id=dialog_id
             )
-        except Exception:
+        except NotFound:
             if not create:
                 raise
             return services.session_create(
@@ -99,7 +100,8 @@ class SessionStates:
                     last_seq=session.last_seq,
                     messages=rows,
                 )
-            elif state.last_seq != session.last_seq:
+            elif session.last_seq > state.last_seq:
+                # Only ever move forward: a session row older than the cache loads nothing.
                 rows = selectors.messages_for_context(
                     session_pk=session.pk, after_seq=state.last_seq
                 )

@@ -957,17 +957,6 @@ class Engine:
 
     # --- reading state for clients ---------------------------------------------------------
 
-    def queue_items(self, session_pk: str) -> list[dict[str, Any]]:
-        return [
-            {
-                "turn_id": str(t.pk),
-                "mode": t.mode,
-                "client_msg_id": t.client_msg_id or None,
-                "preview": t.content[:80],
-            }
-            for t in selectors.turn_queue(session_pk=session_pk)
-        ]
-
     async def wait_idle(self, session_pk: str | None = None, timeout: float = 30.0) -> None:
         """Wait until this engine has no worker (for one dialog, or at all)."""
         deadline = time.monotonic() + timeout

@@ -1,0 +1,217 @@
+"""What a client reads about its chat: the `sessions` and `session_history` frames, the dialog
+state the API returns, and the per-connection snapshot relay (D1, D2, D3).
+
+Every channel (WebSocket consumer, SSE stream, terminal) uses these, so all clients of a chat
+see the same state in the same shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from channels.layers import get_channel_layer
+
+from sessions_app import selectors
+from sessions_app.models import Session, Turn, TurnStatus
+
+from . import publish
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def session_item(session: Session) -> dict[str, Any]:
+    return {
+        "session_id": session.session_id,
+        "dialog_id": session.dialog_id,
+        "title": session.title,
+        "last_active_at": session.last_active_at.isoformat(),
+        "message_count": session.message_count,
+    }
+
+
+def sessions_frame(
+    *, owner_id: int, channel: str, chat_id: str, current: Session | None, limit: int = 50
+) -> dict[str, Any]:
+    """PROTOCOL `sessions`: the chat's live dialogs, most recently active first."""
+    items = selectors.dialog_list_for_chat(
+        owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
+    )
+    return {
+        "type": "sessions",
+        "current": current.dialog_id if current is not None else None,
+        "items": [session_item(s) for s in items],
+    }
+
+
+def active_turn(session: Session, engine: Engine | None) -> dict[str, Any] | None:
+    """The running turn's snapshot with the full text so far (`text_offset` 0): from this
+    process's engine when it runs the turn, else from the turn's last checkpoint (C11)."""
+    running = selectors.turn_running(session_pk=session.pk)
+    if running is None:
+        return None
+    if engine is not None:
+        local = engine.local.get(str(running.pk))
+        if local is not None:
+            snap = local.snapshot
+            return {
+                "type": "turn_snapshot",
+                "session_id": session.session_id,
+                "turn_id": str(running.pk),
+                "status": "running",
+                "text_offset": 0,
+                "text": snap.text,
+                "tools": snap.tools_dicts(),
+                "frame": local.frame,
+            }
+    return {
+        "type": "turn_snapshot",
+        "session_id": session.session_id,
+        "turn_id": str(running.pk),
+        "status": "running",
+        "text_offset": 0,
+        "text": running.partial_text,
+        "tools": [],
+        "frame": 0,
+    }
+
+
+def queue_items(session: Session) -> list[dict[str, Any]]:
+    return [
+        {
+            "turn_id": str(t.pk),
+            "mode": t.mode,
+            "client_msg_id": t.client_msg_id or None,
+            "preview": t.content[:80],
+        }
+        for t in selectors.turn_queue(session_pk=session.pk)
+    ]
+
+
+def session_history_frame(
+    *,
+    session: Session,
+    engine: Engine | None,
+    before_seq: int | None = None,
+    limit: int = selectors.HISTORY_PAGE_DEFAULT,
+) -> dict[str, Any]:
+    """PROTOCOL `session_history`: the most recent page (older than `before_seq` when
+    given), oldest first, with the revision, the running turn and the queue."""
+    fresh = Session.objects.get(pk=session.pk)
+    messages, has_more = selectors.messages_page(
+        session_pk=session.pk, before_seq=before_seq, limit=limit
+    )
+    return {
+        "type": "session_history",
+        "session_id": fresh.session_id,
+        "dialog_id": fresh.dialog_id,
+        "title": fresh.title,
+        "history_revision": fresh.last_seq,
+        "messages": [publish.message_frame(m) for m in messages],
+        "has_more": has_more,
+        "active_turn": active_turn(fresh, engine),
+        "queue": queue_items(fresh),
+    }
+
+
+def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
+    """A dialog as the REST API returns it."""
+    snapshot = active_turn(session, engine)
+    return {
+        "session_id": session.session_id,
+        "channel": session.channel,
+        "chat_id": session.chat_id,
+        "dialog_id": session.dialog_id,
+        "title": session.title,
+        "created_at": session.created_at.isoformat(),
+        "last_active_at": session.last_active_at.isoformat(),
+        "message_count": session.message_count,
+        "total_message_count": session.total_message_count,
+        "history_revision": session.last_seq,
+        "status": "running" if snapshot is not None else "idle",
+        "active_turn": snapshot,
+        "queue": queue_items(session),
+    }
+
+
+def turn_state(turn: Turn) -> dict[str, Any]:
+    """A turn as the REST API returns it: status, reason, error and its committed messages."""
+    error = None
+    if turn.status == TurnStatus.FAILED:
+        error = {"kind": turn.error_kind, "message": turn.error_message}
+    return {
+        "turn_id": str(turn.pk),
+        "session_id": turn.session.session_id,
+        "status": turn.status,
+        "mode": turn.mode,
+        "reason": turn.reason or None,
+        "error": error,
+        "client_msg_id": turn.client_msg_id or None,
+        "messages": [publish.message_frame(m) for m in turn.messages.order_by("seq")],
+    }
+
+
+# --- Snapshot relay (D1) ------------------------------------------------------------------
+
+
+@dataclass
+class SnapshotRelay:
+    """Per connection: what text of each running turn the client already has, so each frame
+    it receives applies contiguously (`known[:text_offset] + text`). A frame past what the
+    client has (it joined mid-turn, or missed one) is held back and the turn's process is
+    asked once for a full snapshot (offset 0), which replaces the client's text."""
+
+    known: dict[str, int] = field(default_factory=dict)
+    asked: set[str] = field(default_factory=set)
+
+    def seed(self, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is not None:
+            self.known[snapshot["turn_id"]] = len(snapshot["text"])
+
+    def forget(self, turn_id: str) -> None:
+        self.known.pop(turn_id, None)
+        self.asked.discard(turn_id)
+
+    def reset(self) -> None:
+        self.known.clear()
+        self.asked.clear()
+
+    def relay(self, frame: dict[str, Any]) -> tuple[dict[str, Any] | None, bool]:
+        """Returns (frame to send or None, whether to ask for a full snapshot)."""
+        turn_id = frame["turn_id"]
+        offset = frame["text_offset"]
+        text = frame["text"]
+        known = self.known.get(turn_id)
+        if offset == 0:
+            self.known[turn_id] = len(text)
+            self.asked.discard(turn_id)
+            return frame, False
+        if known is None or offset > known:
+            ask = turn_id not in self.asked
+            self.asked.add(turn_id)
+            return None, ask
+        end = offset + len(text)
+        if offset < known:
+            frame = {**frame, "text_offset": known, "text": text[known - offset :]}
+        self.known[turn_id] = max(known, end)
+        return frame, False
+
+
+async def request_full_snapshot(turn_id: str, reply_channel: str) -> None:
+    """Ask whichever process runs the turn to send its full snapshot to `reply_channel`."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    await layer.group_send(
+        publish.engine_control_group(),
+        {"type": "engine.snapshot_request", "turn_id": turn_id, "reply_channel": reply_channel},
+    )
+
+
+def is_terminal_frame(frame: dict[str, Any]) -> bool:
+    return frame.get("type") == "turn_updated" and frame.get("status") in (
+        TurnStatus.COMPLETED,
+        TurnStatus.CANCELLED,
+        TurnStatus.FAILED,
+    )

@@ -169,3 +169,17 @@ async def make_engine(fake_model: FakeModelServer) -> AsyncIterator[Callable[...
     yield factory
     for engine in engines:
         await engine.shutdown(grace=2)
+
+
+@pytest_asyncio.fixture
+async def engine(make_engine: Callable[..., Any]) -> AsyncIterator[Any]:
+    """A started engine on the fake model server, installed as this process's engine, so
+    channels (consumers, API views) that call `runtime.get_engine()` use it."""
+    from chatcore.engine import runtime
+
+    started = await make_engine()
+    runtime.set_engine(started)
+    try:
+        yield started
+    finally:
+        runtime.set_engine(None)

@@ -140,7 +140,6 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = 120
 CELERY_TASK_SOFT_TIME_LIMIT = 90
 CELERY_TASK_DEFAULT_QUEUE = "chat"
-CELERY_BEAT_SCHEDULE: dict[str, Any] = {}
 
 # --- Auth, i18n, static ---------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
@@ -217,5 +216,18 @@ LOGGING = {
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
+    },
+}
+
+# Scaled mode: periodic sweeps run on Celery beat (`celery -A chatcore beat`); embedded mode
+# runs the same sweeps from the engine's supervisor (A6, A7).
+CELERY_BEAT_SCHEDULE: dict[str, Any] = {
+    "purge-deleted-dialogs": {
+        "task": "sessions_app.tasks.purge_deleted_sessions",
+        "schedule": float(CHAT["CLEANUP_INTERVAL_SECONDS"]),
+    },
+    "evict-idle-session-state": {
+        "task": "sessions_app.tasks.evict_idle_session_states",
+        "schedule": float(CHAT["CLEANUP_INTERVAL_SECONDS"]),
     },
 }

@@ -132,7 +132,13 @@ class SessionAdmin(admin.ModelAdmin):
     date_hierarchy = "last_active_at"
     # Django adds DISTINCT itself when a search term goes through messages__content.
     search_fields = ("title", "chat_id", "channel", "owner__username", "messages__content")
-    actions = ("soft_delete_selected", "restore_selected", "purge_selected")
+    actions = (
+        "soft_delete_selected",
+        "restore_selected",
+        "purge_selected",
+        "regenerate_title_selected",
+        "compact_selected",
+    )
     fieldsets = (
         (
             None,
@@ -290,6 +296,47 @@ class SessionAdmin(admin.ModelAdmin):
         self.message_user(
             request,
             ngettext("Soft-deleted %(n)d dialog.", "Soft-deleted %(n)d dialogs.", done)
+            % {"n": done},
+            level=messages.SUCCESS,
+        )
+
+    @admin.action(permissions=["change"], description=_("Regenerate title of selected dialogs"))
+    def regenerate_title_selected(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
+        # B4: the same background job as automatic titles, over a title reset to the default.
+        from chatcore.engine import background
+
+        done = 0
+        for session in queryset.filter(deleted_at__isnull=True):
+            services.title_reset(session=session)
+            background.request_title(session_pk=session.pk)
+            done += 1
+        self.message_user(
+            request,
+            ngettext(
+                "Title generation started for %(n)d dialog.",
+                "Title generation started for %(n)d dialogs.",
+                done,
+            )
+            % {"n": done},
+            level=messages.SUCCESS,
+        )
+
+    @admin.action(permissions=["change"], description=_("Compact selected dialogs"))
+    def compact_selected(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
+        # B5: the same background job as /compact.
+        from chatcore.engine import background
+
+        done = 0
+        for session in queryset.filter(deleted_at__isnull=True):
+            background.request_compaction(session_pk=session.pk, manual=True)
+            done += 1
+        self.message_user(
+            request,
+            ngettext(
+                "Compaction started for %(n)d dialog.",
+                "Compaction started for %(n)d dialogs.",
+                done,
+            )
             % {"n": done},
             level=messages.SUCCESS,
         )

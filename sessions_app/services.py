@@ -227,6 +227,23 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
     return session
 
 
+def title_reset(*, session: Session) -> Session:
+    """Put the default title back (an operator's "regenerate title"), so the title job may
+    replace it."""
+
+    def write() -> None:
+        Session.objects.filter(pk=session.pk).update(
+            title=session.default_title,
+            title_source=TitleSource.DEFAULT,
+            state_version=F("state_version") + 1,
+        )
+
+    storage_retry(write, what="title_reset", session=session)
+    session.refresh_from_db()
+    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    return session
+
+
 def session_soft_delete(*, session: Session) -> Session:
     """Hide a dialog at once (A7). Queued sends end as cancelled (stale); a running turn sees
     the state change and commits nothing (C9)."""

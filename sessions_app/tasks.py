@@ -49,3 +49,16 @@ def purge_deleted_sessions() -> int:
     if count:
         logger.info("purged %d dialogs past retention", count)
     return count
+
+
+@shared_task(acks_late=True, soft_time_limit=30, time_limit=60)
+def evict_idle_session_states() -> None:
+    """A6 in scaled mode: every server process drops its idle in-memory dialog state."""
+    from asgiref.sync import async_to_sync
+    from channels.layers import get_channel_layer
+
+    from chatcore.engine import publish
+
+    layer = get_channel_layer()
+    if layer is not None:
+        async_to_sync(layer.group_send)(publish.engine_control_group(), {"type": "engine.evict"})

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
 from django.utils.translation import gettext as _
 
@@ -56,7 +57,18 @@ def bind_embedded(engine: Engine | None) -> None:
     _embedded_engine = engine
 
 
+def _guard_key(job: str, session_pk: str) -> str:
+    return f"bg:{job}:{session_pk}"
+
+
 def _schedule(job: str, **kwargs: Any) -> None:
+    # One pending job per kind and dialog: a burst of turns schedules one title, not ten. The
+    # key lives in the shared cache (Redis in scaled mode) and the job clears it when done.
+    if not cache.add(
+        _guard_key(job, kwargs["session_pk"]), 1, timeout=settings.CELERY_TASK_TIME_LIMIT
+    ):
+        logger.info("%s already pending", job, extra={"session_id": kwargs["session_pk"]})
+        return
     if settings.SCALED:
         from sessions_app import tasks
 
@@ -64,7 +76,8 @@ def _schedule(job: str, **kwargs: Any) -> None:
         transaction.on_commit(lambda: task.delay(**kwargs))
         return
     engine = _embedded_engine
-    if engine is None or engine.closing:
+    if engine is None or engine.closing or engine.loop is None:
+        cache.delete(_guard_key(job, kwargs["session_pk"]))
         logger.info("no engine to run %s in-process; skipped", job)
         return
     jobs: dict[str, Callable[..., Coroutine[Any, Any, Any]]] = {
@@ -73,8 +86,6 @@ def _schedule(job: str, **kwargs: Any) -> None:
     }
     coro_fn = jobs[job]
     loop = engine.loop
-    if loop is None:
-        return
 
     def spawn() -> None:
         engine.supervisor.spawn(
@@ -148,6 +159,13 @@ def _title_input(session_pk: str) -> tuple[list[dict[str, str]], int] | None:
 async def generate_title(*, session_pk: str, provider: ChatProvider | None = None) -> str | None:
     """Capture the prompt, ask the model outside any lock, commit only over a default title.
     Failures are warnings and change nothing. Idempotent."""
+    try:
+        return await _generate_title(session_pk, provider)
+    finally:
+        await sync_to_async(cache.delete)(_guard_key("generate_title", session_pk))
+
+
+async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str | None:
     captured = await sync_to_async(_title_input)(session_pk)
     if captured is None:
         return None
@@ -229,6 +247,15 @@ async def compact_session(
 ) -> int | None:
     """Summarise older history; commit only if the dialog was not cleared or deleted and no
     newer compaction landed meanwhile. Returns the last seq covered, or None."""
+    try:
+        return await _compact_session(session_pk, manual, provider)
+    finally:
+        await sync_to_async(cache.delete)(_guard_key("compact_session", session_pk))
+
+
+async def _compact_session(
+    session_pk: str, manual: bool, provider: ChatProvider | None
+) -> int | None:
     captured = await sync_to_async(_compaction_input)(session_pk)
     session = await sync_to_async(Session.objects.filter(pk=session_pk).first)()
     if captured is None:

@@ -921,21 +921,28 @@ class Engine:
                 reply = message.get("reply_channel")
                 if frame is not None and reply:
                     await layer.send(reply, {"type": publish.EVENT_TYPE, "frame": frame})
+            elif kind == "engine.evict":
+                self.evict_idle()
             elif kind == "engine.kick":
                 await self.kick(str(message.get("session_pk")))
 
     async def _sweep_loop(self) -> None:
-        """Pick up dialogs with work and no live lease (recovery after a crash, C11), and
-        evict idle session state (A6)."""
+        """Pick up dialogs with work and no live lease (recovery after a crash, C11). In
+        embedded mode also evict idle session state (A6) and purge dialogs past retention
+        (A7); in scaled mode Celery beat schedules those."""
         interval = max(1.0, self.cfg["LEASE_SECONDS"] / 3)
         last_evict = time.monotonic()
         while True:
             try:
                 for pk in await sync_to_async(self._orphaned_sessions)():
                     await self.kick(pk)
-                if time.monotonic() - last_evict >= self.cfg["CLEANUP_INTERVAL_SECONDS"]:
+                if (
+                    not settings.SCALED
+                    and time.monotonic() - last_evict >= self.cfg["CLEANUP_INTERVAL_SECONDS"]
+                ):
                     last_evict = time.monotonic()
                     self.evict_idle()
+                    await sync_to_async(services.sessions_purge_expired)()
             except asyncio.CancelledError:
                 raise
             except Exception:

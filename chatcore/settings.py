@@ -183,6 +183,11 @@ CHAT: dict[str, Any] = {
     "TOOL_RESULT_TRIM_CHARS": 4000,
     "COMPACTION_BUDGET_RATIO": 0.8,
     "SHUTDOWN_GRACE_SECONDS": 10.0,
+    # D4: streaming-message sinks of external platforms, {"channel": "dotted.path.Factory"}.
+    "SINKS": {},
+    "SINK_RETRIES": 3,
+    "SINK_BACKOFF_SECONDS": 0.2,
+    "SINK_TIMEOUT_SECONDS": 10.0,
 }
 
 # `make run`: the port to serve on and the demo login it makes sure exists.

@@ -45,6 +45,7 @@ from sessions_app.models import (
 )
 
 from . import background, publish
+from .delivery import DeliveryCoordinator, DeliveryHandle, Terminal, sink_for_channel
 from .errors import (
     BadRequest,
     NotFound,
@@ -61,7 +62,15 @@ from .supervisor import TaskSupervisor
 from .tools import ToolContext, ToolRegistry, registry_from_settings
 from .turns.builder import RuntimeInfo, TurnInputBuilder
 from .turns.committer import CommitResult, commit_outcome, record_turn_start, take_staged
-from .turns.outcome import Cancelled, Failed, FailureKind, Stale, TurnOutcome, present_failure
+from .turns.outcome import (
+    Cancelled,
+    Completed,
+    Failed,
+    FailureKind,
+    Stale,
+    TurnOutcome,
+    present_failure,
+)
 from .turns.runner import TurnRunner, TurnSnapshot
 
 logger = logging.getLogger(__name__)
@@ -89,6 +98,9 @@ class Inbound:
             data["reply_to"] = self.reply_to
         if self.client_msg_id:
             data["client_msg_id"] = self.client_msg_id
+        if self.channel_context:
+            # D5: the platform's own context, opaque here, handed back to its sink.
+            data["context"] = self.channel_context
         return data
 
 
@@ -138,6 +150,7 @@ class LocalTurn:
     frame: int = 0
     published_offset: int = 0
     published_version: int = 0
+    delivery: DeliveryHandle | None = None
 
 
 def _process_id() -> str:
@@ -171,6 +184,11 @@ class Engine:
         self.cfg = settings.CHAT
         self.turns_finished = 0
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.delivery = DeliveryCoordinator(
+            retries=self.cfg["SINK_RETRIES"],
+            backoff=self.cfg["SINK_BACKOFF_SECONDS"],
+            timeout=self.cfg["SINK_TIMEOUT_SECONDS"],
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -656,6 +674,11 @@ class Engine:
             if session.deleted_at is not None:
                 await self._finish(turn, session, Stale(), generation)
                 return
+            sink = sink_for_channel(session.channel)
+            if sink is not None:
+                # D4: an external platform's streaming message for this turn.
+                target = {"chat_id": session.chat_id, **dict(turn.source.get("context") or {})}
+                local.delivery = await self.delivery.start(sink, target)
             runtime = RuntimeInfo(
                 channel=session.channel, dialog_id=session.dialog_id, title=session.title
             )
@@ -700,7 +723,7 @@ class Engine:
                 await sync_to_async(background.request_compaction)(
                     session_pk=session.pk, manual=False
                 )
-            await self._finish(turn, session, outcome, generation)
+            await self._finish(turn, session, outcome, generation, delivery=local.delivery)
         finally:
             self.local.pop(turn_id, None)
             self.turns_finished += 1
@@ -748,7 +771,13 @@ class Engine:
             await self._flush_snapshot(local)
 
     async def _finish(
-        self, turn: Turn, session: Session, outcome: TurnOutcome, generation: int
+        self,
+        turn: Turn,
+        session: Session,
+        outcome: TurnOutcome,
+        generation: int,
+        *,
+        delivery: DeliveryHandle | None = None,
     ) -> None:
         try:
             result = await sync_to_async(commit_outcome)(
@@ -781,6 +810,8 @@ class Engine:
                 client_msg_id=turn.client_msg_id,
             ),
         )
+        if delivery is not None:
+            await delivery.finish(_terminal_for_sink(outcome, result))
         if result.status == TurnStatus.COMPLETED:
             await sync_to_async(background.after_turn)(session_pk=session.pk)
         await sync_to_async(self._after_turn_staged)(turn, result)
@@ -844,6 +875,8 @@ class Engine:
                 continue
             local.published_version = snap.version
             await publish.apublish(group, self.snapshot_frame(local, full=False))
+            if local.delivery is not None:
+                await local.delivery.update(snap.text)
             await asyncio.sleep(interval)
 
     async def _flush_snapshot(self, local: LocalTurn) -> None:
@@ -979,3 +1012,20 @@ class Engine:
 
 def _mark_recorded(pks: list[Any]) -> None:
     StagedInput.objects.filter(pk__in=pks).update(status=StagedInput.Status.RECORDED)
+
+
+def _terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
+    """What a sink shows at the end (D4). The answer body goes out only for a committed,
+    completed turn; a persistence failure never passes on the text from before it."""
+    if result.status == TurnStatus.COMPLETED and isinstance(outcome, Completed):
+        answers = [
+            m.content for m in outcome.messages if m.role == Role.ASSISTANT and not m.tool_calls
+        ]
+        return Terminal(status="completed", text="\n\n".join(a for a in answers if a))
+    error = (result.error or {}).get("message", "")
+    persisted = result.error is None or result.error.get("kind") != str(
+        FailureKind.TURN_PERSISTENCE
+    )
+    partial = getattr(outcome, "partial", "") if persisted else ""
+    status = "cancelled" if result.status == TurnStatus.CANCELLED else "failed"
+    return Terminal(status=status, text=partial, error_message=error)

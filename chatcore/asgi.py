@@ -10,11 +10,18 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chatcore.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from chatcore.engine import runtime  # noqa: E402
+from sessions_app.routing import websocket_urlpatterns  # noqa: E402
+from sessions_app.ws_auth import ChatAuthMiddleware  # noqa: E402
 
-router = ProtocolTypeRouter({"http": django_asgi_app})
+router = ProtocolTypeRouter(
+    {
+        "http": django_asgi_app,
+        "websocket": ChatAuthMiddleware(URLRouter(websocket_urlpatterns)),
+    }
+)
 
 
 async def application(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -6,11 +6,14 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from sessions_app import views
+from sessions_app import views, web
+from sessions_app.api import api
 
 urlpatterns = [
+    path("", web.chat_page, name="chat"),
     path("healthz", views.healthz, name="healthz"),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    path("api/v1/", api.urls),
 ]

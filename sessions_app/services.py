@@ -376,32 +376,34 @@ def messages_append(
     require_generation: int | None = None,
     publish_delta: bool = True,
     extra: Callable[[Session], None] | None = None,
+    session: Session | None = None,
 ) -> Appended:
     """Append messages atomically; returns them with their seqs (A3, A4).
 
     `require_generation` makes the append conditional (C9): when the dialog was cleared or
     deleted under the caller, nothing is written and `StaleSession` is raised. `extra` runs
     inside the same transaction (a turn's status update commits with its messages).
+    `session`, when the caller has it, names the clients to notify if the write fails.
     """
     if not messages:
         raise ValueError("nothing to append")
-    probe = Session.objects.filter(pk=session_pk).first()
+    probe = session if session is not None else Session.objects.filter(pk=session_pk).first()
 
     def write() -> Appended:
         with transaction.atomic():
-            session = Session.objects.select_for_update().get(pk=session_pk)
+            locked = Session.objects.select_for_update().get(pk=session_pk)
             if require_generation is not None and (
-                session.generation != require_generation or session.deleted_at is not None
+                locked.generation != require_generation or locked.deleted_at is not None
             ):
                 raise StaleSession()
-            base = session.last_seq
+            base = locked.last_seq
             now = timezone.now()
             rows = []
             for offset, new in enumerate(messages, start=1):
                 source = {"kind": new.kind, **new.source}
                 rows.append(
                     Message(
-                        session=session,
+                        session=locked,
                         seq=base + offset,
                         role=new.role,
                         content=new.content,
@@ -417,12 +419,12 @@ def messages_append(
                 )
             Message.objects.bulk_create(rows)
             user_count = sum(1 for m in messages if m.kind in USER_KINDS)
-            session.last_seq = base + len(rows)
-            session.total_message_count += len(rows)
-            session.message_count += user_count
-            session.state_version += 1
-            session.last_active_at = now
-            session.save(
+            locked.last_seq = base + len(rows)
+            locked.total_message_count += len(rows)
+            locked.message_count += user_count
+            locked.state_version += 1
+            locked.last_active_at = now
+            locked.save(
                 update_fields=[
                     "last_seq",
                     "total_message_count",
@@ -432,8 +434,8 @@ def messages_append(
                 ]
             )
             if extra is not None:
-                extra(session)
-            appended = Appended(session=session, base_revision=base, messages=rows)
+                extra(locked)
+            appended = Appended(session=locked, base_revision=base, messages=rows)
             if publish_delta:
                 transaction.on_commit(lambda: _announce_appended(appended, turn))
             return appended

@@ -311,6 +311,7 @@ class Engine:
                     # C5: idle inject is appended to history without running the model.
                     appended = services.messages_append(
                         session_pk=session.pk,
+                        session=live,
                         messages=[
                             services.NewMessage(
                                 role=Role.USER,
@@ -831,6 +832,7 @@ class Engine:
         if injects and result.reason != "stale":
             appended = services.messages_append(
                 session_pk=turn.session_id,
+                session=turn.session,
                 messages=[
                     services.NewMessage(
                         role=Role.USER,

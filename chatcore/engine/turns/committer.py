@@ -130,6 +130,7 @@ def commit_outcome(
     try:
         appended = services.messages_append(
             session_pk=session_pk,
+            session=turn.session,
             messages=[_new(m) for m in messages],
             turn=turn,
             require_generation=base_generation,
@@ -197,7 +198,7 @@ def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Ap
         session = Session.objects.get(pk=turn.session_id)
         return None, session.generation
     appended = services.messages_append(
-        session_pk=turn.session_id, messages=new, turn=turn, extra=mark
+        session_pk=turn.session_id, session=turn.session, messages=new, turn=turn, extra=mark
     )
     states.apply_appended(appended)
     return appended, appended.session.generation

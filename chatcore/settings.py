@@ -101,6 +101,9 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
+    # Keep connections (health-checked) instead of reconnecting after every consumer frame.
+    _db["CONN_MAX_AGE"] = 60
+    _db["CONN_HEALTH_CHECKS"] = True
     # One test database per process, so two test runs on one server never collide.
     _db["TEST"] = {"NAME": f"test_{_db['NAME']}_{os.getpid()}"}
 DATABASES = {"default": _db}

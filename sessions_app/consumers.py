@@ -36,7 +36,7 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, TooLarge
+from chatcore.engine.errors import BadRequest, ChatError, InternalError, TooLarge
 from chatcore.engine.ids import owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
@@ -54,13 +54,6 @@ SESSIONS_COALESCE_SECONDS = 0.05
 REFRESH_SESSIONS = "sessions.refresh"
 # Turns whose terminal this connection relayed; a late snapshot of one is dropped.
 ENDED_TURNS_KEPT = 256
-
-
-class InternalError(ChatError):
-    """An unexpected failure while handling one frame; the connection stays usable."""
-
-    code = "internal_error"
-    http_status = 500
 
 
 def error_frame(exc: ChatError, client_msg_id: str | None) -> dict[str, Any]:

@@ -151,6 +151,7 @@ class LocalTurn:
     published_offset: int = 0
     published_version: int = 0
     delivery: DeliveryHandle | None = None
+    ended: bool = False
 
 
 def _process_id() -> str:
@@ -264,7 +265,8 @@ class Engine:
         self._check_content(inbound.content)
         if len(inbound.client_msg_id) > 128:
             raise BadRequest(_("client_msg_id is too long (at most 128 characters)."))
-        await sync_to_async(self._check_rate)(inbound.owner.pk)
+        # A cache call, not the ORM: keep it off the single database thread.
+        await sync_to_async(self._check_rate, thread_sensitive=False)(inbound.owner.pk)
         ack = await sync_to_async(self._admit)(inbound, session)
         if ack.turn_id is not None:
             await self.kick(session.pk)
@@ -766,9 +768,17 @@ class Engine:
                     partial=runner.partial,
                 )
         finally:
-            for task in (cancel_wait, publisher, heartbeat):
+            # Stop the helpers by flag as well as by cancel: a cancellation can be swallowed
+            # inside a channel-layer call (asyncio.wait_for on Python 3.11), and the turn's end
+            # must never wait on them for long.
+            local.ended = True
+            local.snapshot.changed.set()
+            helpers = (cancel_wait, publisher, heartbeat)
+            for task in helpers:
                 task.cancel()
-            await asyncio.gather(cancel_wait, publisher, heartbeat, return_exceptions=True)
+            _done, stuck = await asyncio.wait(helpers, timeout=5)
+            if stuck:
+                logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
             await self._flush_snapshot(local)
 
     async def _finish(
@@ -870,9 +880,11 @@ class Engine:
         interval = 1.0 / max(1, self.cfg["SNAPSHOT_FPS"])
         group = publish.session_group(local.session.pk)
         snap = local.snapshot
-        while True:
+        while not local.ended:
             await snap.changed.wait()
             snap.changed.clear()
+            if local.ended:
+                return
             if snap.version == local.published_version:
                 continue
             local.published_version = snap.version
@@ -916,8 +928,10 @@ class Engine:
         messages, never per token); the same round trip picks up a stop from elsewhere."""
         interval = self.cfg["CHECKPOINT_SECONDS"]
         written = ""
-        while True:
+        while not local.ended:
             await asyncio.sleep(interval)
+            if local.ended:
+                return
             text = local.snapshot.text
             cancel = await sync_to_async(self._checkpoint)(
                 local.turn_id, None if text == written else text
@@ -946,20 +960,29 @@ class Engine:
                 logger.exception("control channel receive failed")
                 await asyncio.sleep(1)
                 continue
-            kind = message.get("type")
-            if kind == "engine.cancel":
-                local = self.local.get(str(message.get("turn_id")))
-                if local is not None:
-                    local.cancel.set()
-            elif kind == "engine.snapshot_request":
-                frame = self.active_snapshot(str(message.get("turn_id")))
-                reply = message.get("reply_channel")
-                if frame is not None and reply:
-                    await layer.send(reply, {"type": publish.EVENT_TYPE, "frame": frame})
-            elif kind == "engine.evict":
-                self.evict_idle()
-            elif kind == "engine.kick":
-                await self.kick(str(message.get("session_pk")))
+            try:
+                await self._handle_control(layer, message)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # One bad message must not end cross-process stop and snapshot requests.
+                logger.exception("control message failed: %s", message.get("type"))
+
+    async def _handle_control(self, layer: Any, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "engine.cancel":
+            local = self.local.get(str(message.get("turn_id")))
+            if local is not None:
+                local.cancel.set()
+        elif kind == "engine.snapshot_request":
+            frame = self.active_snapshot(str(message.get("turn_id")))
+            reply = message.get("reply_channel")
+            if frame is not None and reply:
+                await layer.send(reply, {"type": publish.EVENT_TYPE, "frame": frame})
+        elif kind == "engine.evict":
+            self.evict_idle()
+        elif kind == "engine.kick":
+            await self.kick(str(message.get("session_pk")))
 
     async def _sweep_loop(self) -> None:
         """Pick up dialogs with work and no live lease (recovery after a crash, C11). In

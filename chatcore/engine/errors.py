@@ -79,3 +79,11 @@ class StorageError(ChatError):
     code = "storage_error"
     http_status = 503
     default_message = _("Saving failed; please try again.")
+
+
+class InternalError(ChatError):
+    """An unexpected failure while handling one request; details go to the log only."""
+
+    code = "internal_error"
+    http_status = 500
+    default_message = _("Something went wrong; please try again.")

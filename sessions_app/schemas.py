@@ -1,0 +1,206 @@
+"""Request (In) and response (Out) schemas of the REST API (PROTOCOL "REST API", SPEC E3).
+
+Out schemas mirror the dicts of `chatcore.engine.clientstate` and `publish.message_frame`, so
+the API and the WebSocket show a dialog, a message and a turn in the same shape. Optional
+fields of a message are left out when absent (the views render with `exclude_unset`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from ninja import Field, Schema
+from pydantic import AfterValidator
+
+# A1: each part of a session id.
+ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+TITLE_MAX = 200
+CLIENT_MSG_ID_MAX = 128
+
+
+def _storable(value: str) -> str:
+    """Refuse text no database can keep: NUL characters (PostgreSQL rejects them) and lone
+    surrogates (not encodable as UTF-8)."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("must be valid Unicode text") from exc
+    return value
+
+
+Text = Annotated[str, AfterValidator(_storable)]
+IdPart = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
+Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+
+
+# --- Errors -------------------------------------------------------------------------------
+
+
+class ErrorOut(Schema):
+    """Every error answer: a stable machine code and a human message."""
+
+    code: str = Field(
+        description="bad_request, unauthorized, csrf_failed, not_found, conflict, queue_full, "
+        "too_large, rate_limited, overloaded, shutting_down, storage_error, internal_error"
+    )
+    message: str
+
+
+class ValidationErrorOut(ErrorOut):
+    errors: list[dict[str, Any]] = Field(
+        default_factory=list, description="Where the input was wrong: `loc` and `msg`."
+    )
+
+
+# --- Dialogs ------------------------------------------------------------------------------
+
+
+class SessionCreateIn(Schema):
+    # A1: dialogs of external platforms belong to the account that connected the platform;
+    # the API creates dialogs only in the caller's own first-party chats.
+    channel: Literal["api", "web", "cli"] = Field("api", description="A first-party channel.")
+    chat_id: IdPart | None = Field(
+        None,
+        description="The caller's own chat: `u{user id}` (default) or `u{user id}.{suffix}`. "
+        "Any other first-party chat id answers 404.",
+    )
+    dialog_id: IdPart | None = Field(
+        None, description="Omitted: a new random id. An id of a live dialog answers 409."
+    )
+    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
+
+
+class SessionRenameIn(Schema):
+    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)]
+
+
+class ToolProgressOut(Schema):
+    call_id: str
+    name: str
+    status: Literal["running", "ok", "error"]
+
+
+class TurnSnapshotOut(Schema):
+    """PROTOCOL `turn_snapshot`: the answer so far is `known[:text_offset] + text`."""
+
+    type: Literal["turn_snapshot"] = "turn_snapshot"
+    session_id: str
+    turn_id: str
+    status: Literal["running"] = "running"
+    text_offset: int
+    text: str
+    tools: list[ToolProgressOut]
+    frame: int
+
+
+class QueueItemOut(Schema):
+    turn_id: str
+    mode: str
+    client_msg_id: str | None
+    preview: str
+
+
+class SessionOut(Schema):
+    """A dialog with its live state (D3): what runs now and what waits in its queue (C2)."""
+
+    session_id: str = Field(description="`channel:chat_id:dialog_id`; use it in the URLs.")
+    channel: str
+    chat_id: str
+    dialog_id: str
+    title: str
+    created_at: Timestamp
+    last_active_at: Timestamp
+    message_count: int = Field(description="The user's own messages (A2).")
+    total_message_count: int
+    history_revision: int = Field(description="The highest seq ever assigned (D2).")
+    status: Literal["idle", "running"]
+    active_turn: TurnSnapshotOut | None
+    queue: list[QueueItemOut]
+
+
+class SessionListOut(Schema):
+    items: list[SessionOut]
+    count: int = Field(description="How many dialogs match, over all pages.")
+
+
+# --- Messages -----------------------------------------------------------------------------
+
+
+class MessageIn(Schema):
+    content: Annotated[Text, Field(min_length=1)] = Field(
+        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
+    )
+    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    mode: Literal["send", "steer", "inject"] = Field(
+        "send",
+        description="send: a new turn (C1); steer: joins the running turn at its next step, "
+        "a send when idle (C4); inject: context without a turn (C5).",
+    )
+
+
+class RetryIn(Schema):
+    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+
+
+class MessageOut(Schema):
+    """PROTOCOL "Message". The optional fields appear only when present."""
+
+    id: str
+    seq: int
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    created_at: Timestamp
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    tool_name: str | None = None
+    status: str | None = None
+    source: dict[str, Any] | None = None
+    turn_id: str | None = None
+
+
+class MessagePageOut(Schema):
+    history_revision: int
+    messages: list[MessageOut] = Field(description="seq >= from_seq, ascending.")
+    has_more: bool = Field(description="More messages follow the last one of this page.")
+    next_from_seq: int = Field(description="The `from_seq` of the next page.")
+
+
+class AckOut(Schema):
+    """PROTOCOL `queued`: an accepted send (durable from here on, C2)."""
+
+    session_id: str
+    turn_id: str | None = Field(description="null for an inject into an idle dialog.")
+    position: int = Field(description="Turns of the dialog ahead of this one (0 = runs now).")
+    mode: str
+    client_msg_id: str | None
+
+
+class StopOut(Schema):
+    stopped_running: bool
+    dropped: int
+
+
+class CompactOut(Schema):
+    session_id: str
+    accepted: bool = True
+
+
+# --- Turns --------------------------------------------------------------------------------
+
+
+class TurnErrorOut(Schema):
+    kind: str
+    message: str
+
+
+class TurnOut(Schema):
+    turn_id: str
+    session_id: str
+    status: Literal["queued", "running", "completed", "cancelled", "failed"]
+    mode: str
+    reason: str | None = Field(description="stopped, dropped or stale when cancelled.")
+    error: TurnErrorOut | None
+    client_msg_id: str | None
+    messages: list[MessageOut] = Field(description="The turn's committed messages.")

@@ -46,14 +46,13 @@ from django.http import (
 )
 from django.urls import URLPattern, URLResolver
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy
 from ninja import NinjaAPI, Query, Router, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 
 from chatcore.engine import background, clientstate, publish, runtime
 from chatcore.engine.engine import Ack, Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, NotFound, ShuttingDown
+from chatcore.engine.errors import ChatError, NotFound, ShuttingDown
 from chatcore.engine.ids import owner_chat_id
 
 from . import selectors, services
@@ -108,14 +107,6 @@ or the browser session (unsafe methods then need the `X-CSRFToken` header).
 a Server-Sent Events stream of the WebSocket frames (`queued`, `history_delta`,
 `turn_snapshot`, `turn_updated`) until that turn's `turn_updated`.
 """
-
-
-class DialogExists(ChatError):
-    """A live dialog of the chat already has the requested id."""
-
-    code = "conflict"
-    http_status = 409
-    default_message = gettext_lazy("A dialog with this id already exists.")
 
 
 # --- The API and its guards ----------------------------------------------------------------
@@ -370,35 +361,16 @@ async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Stat
 
     def create() -> dict[str, Any]:
         chat_id = payload.chat_id or owner_chat_id(user.pk)
-        try:
-            session = services.session_create(
-                owner=user,
-                channel=payload.channel,
-                chat_id=chat_id,
-                dialog_id=payload.dialog_id,
-                title=payload.title,
-            )
-        except BadRequest:
-            if payload.dialog_id is not None and _live_dialog_exists(
-                user, payload.channel, chat_id, payload.dialog_id
-            ):
-                raise DialogExists(
-                    _("Dialog %(id)s already exists.") % {"id": payload.dialog_id}
-                ) from None
-            raise
+        session = services.session_create(
+            owner=user,
+            channel=payload.channel,
+            chat_id=chat_id,
+            dialog_id=payload.dialog_id,
+            title=payload.title,
+        )
         return clientstate.session_state(session, engine)
 
     return Status(201, await sync_to_async(create)())
-
-
-def _live_dialog_exists(user: User, channel: str, chat_id: str, dialog_id: str) -> bool:
-    try:
-        selectors.dialog_get(
-            owner_id=user.pk, channel=channel, chat_id=chat_id, dialog_id=dialog_id
-        )
-    except NotFound:
-        return False
-    return True
 
 
 @router.get(

@@ -22,8 +22,8 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from chatcore.engine import publish
-from chatcore.engine.errors import BadRequest, NotFound, StorageError
-from chatcore.engine.ids import SessionKey, chat_belongs_to, validate_part
+from chatcore.engine.errors import BadRequest, DialogExists, NotFound, StorageError
+from chatcore.engine.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from .models import (
     ApiToken,
@@ -107,6 +107,8 @@ def new_dialog_id() -> str:
 def clean_title(title: object) -> str:
     if not isinstance(title, str) or not title.strip():
         raise BadRequest(_("A title must not be empty."))
+    if not storable_text(title):
+        raise BadRequest(_("The title contains characters that cannot be stored."))
     title = " ".join(title.split())
     if len(title) > TITLE_MAX:
         raise BadRequest(_("A title may have at most %(n)d characters.") % {"n": TITLE_MAX})
@@ -144,7 +146,7 @@ def session_create(
                 dialog_id=key.dialog_id,
                 deleted_at__isnull=True,
             ).exists():
-                raise BadRequest(_("Dialog %(id)s already exists.") % {"id": key.dialog_id})
+                raise DialogExists(_("Dialog %(id)s already exists.") % {"id": key.dialog_id})
             now = timezone.now()
             session = Session(
                 owner=owner,
@@ -175,7 +177,7 @@ def session_create(
         session, _welcome = storage_retry(write, what="session_create")
     except IntegrityError as exc:
         # Two creators raced for the same key: the loser gets the same clear error.
-        raise BadRequest(_("Dialog %(id)s already exists.") % {"id": key.dialog_id}) from exc
+        raise DialogExists(_("Dialog %(id)s already exists.") % {"id": key.dialog_id}) from exc
     return session
 
 

@@ -106,6 +106,9 @@ class FrameRecorder:
         self.layer = get_channel_layer()
         self.channel = ""
         self.frames: list[dict[str, Any]] = []
+        # One receive stays open across timeouts: cancelling a receive on the Redis pub/sub
+        # layer unsubscribes the channel and loses frames.
+        self._pending: asyncio.Task[Any] | None = None
 
     async def start(self, *groups: str) -> FrameRecorder:
         self.channel = await self.layer.new_channel("test.")
@@ -114,7 +117,13 @@ class FrameRecorder:
         return self
 
     async def next(self, timeout: float = 10.0) -> dict[str, Any]:
-        message = await asyncio.wait_for(self.layer.receive(self.channel), timeout)
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.layer.receive(self.channel))
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            raise TimeoutError
+        message = self._pending.result()
+        self._pending = None
         frame = message["frame"]
         self.frames.append(frame)
         return frame
@@ -141,10 +150,18 @@ class FrameRecorder:
 
 @pytest_asyncio.fixture
 async def recorder() -> AsyncIterator[Callable[..., Any]]:
+    made: list[FrameRecorder] = []
+
     async def make(*groups: str) -> FrameRecorder:
-        return await FrameRecorder().start(*groups)
+        rec = await FrameRecorder().start(*groups)
+        made.append(rec)
+        return rec
 
     yield make
+    for rec in made:
+        if rec._pending is not None:
+            rec._pending.cancel()
+            await asyncio.gather(rec._pending, return_exceptions=True)
 
 
 @pytest_asyncio.fixture

@@ -169,6 +169,10 @@ async def test_refused_sends_change_nothing(make_engine, user):
         await send(engine, session, "   ")
     with pytest.raises(TooLarge):
         await send(engine, session, "x" * (settings.CHAT["CONTENT_LIMIT"] + 1))
+    with pytest.raises(BadRequest):
+        await send(engine, session, "a NUL \x00 byte")
+    with pytest.raises(BadRequest):
+        await send(engine, session, "a lone surrogate \ud800")
     assert await sync_to_async(Turn.objects.count)() == 0
     assert len(await history(session)) == 1
 

@@ -56,6 +56,7 @@ from .errors import (
     ShuttingDown,
     TooLarge,
 )
+from .ids import storable_text
 from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
@@ -235,6 +236,8 @@ class Engine:
     def _check_content(self, content: object) -> str:
         if not isinstance(content, str) or not content.strip():
             raise BadRequest(_("The message is empty."))
+        if not storable_text(content):
+            raise BadRequest(_("The message contains characters that cannot be stored."))
         if len(content) > self.cfg["CONTENT_LIMIT"]:
             raise TooLarge(
                 _("The message is too long (at most %(n)d characters).")

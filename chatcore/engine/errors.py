@@ -26,6 +26,14 @@ class BadRequest(ChatError):
     http_status = 422
 
 
+class DialogExists(BadRequest):
+    """A live dialog of the chat already has the requested id."""
+
+    code = "conflict"
+    http_status = 409
+    default_message = _("A dialog with this id already exists.")
+
+
 class NotFound(ChatError):
     code = "not_found"
     http_status = 404

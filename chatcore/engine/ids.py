@@ -63,3 +63,14 @@ def chat_belongs_to(user_id: int, channel: str, chat_id: str) -> bool:
         return True
     base = f"u{user_id}"
     return chat_id == base or chat_id.startswith(base + ".")
+
+
+def storable_text(text: str) -> bool:
+    """Whether every database can store the text: no NUL character, no lone surrogate."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

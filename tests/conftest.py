@@ -50,6 +50,18 @@ def _close_sync_thread_connections(django_db_setup: None) -> Iterator[None]:
     SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
 
 
+@pytest.fixture(autouse=True)
+def _english_after_each_test() -> Iterator[None]:
+    """LocaleMiddleware activates a request's language on the thread that served it and
+    never resets it; put every thread the tests use back to the default language."""
+    yield
+    from asgiref.sync import SyncToAsync
+    from django.utils import translation
+
+    translation.deactivate()
+    SyncToAsync.single_thread_executor.submit(translation.deactivate).result(timeout=10)
+
+
 @pytest.fixture
 def redis_url() -> str:
     return require_service("TEST_REDIS_URL", "Redis")

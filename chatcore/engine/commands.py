@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 
 from sessions_app import selectors, services
 from sessions_app.models import Session
@@ -54,7 +55,7 @@ Handler = Callable[[CommandContext, str], Awaitable[CommandResult]]
 class Command:
     name: str
     usage: str
-    help: str
+    help: Any
     handler: Handler
     takes_args: bool
 
@@ -63,7 +64,7 @@ REGISTRY: dict[str, Command] = {}
 
 
 def command(
-    name: str, *, usage: str, help: str, takes_args: bool = False
+    name: str, *, usage: str, help: Any, takes_args: bool = False
 ) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
         REGISTRY[name] = Command(name, usage, help, fn, takes_args)
@@ -111,7 +112,7 @@ def _line(session: Session, current: Session | None) -> str:
     }
 
 
-@command("new", usage="/new [title]", help=_("Start a new dialog"), takes_args=True)
+@command("new", usage="/new [title]", help=gettext_lazy("Start a new dialog"), takes_args=True)
 async def _new(ctx: CommandContext, args: str) -> CommandResult:
     session = await sync_to_async(services.session_create)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, title=args or None
@@ -124,7 +125,7 @@ async def _new(ctx: CommandContext, args: str) -> CommandResult:
     )
 
 
-@command("sessions", usage="/sessions", help=_("List the 10 most recent dialogs"))
+@command("sessions", usage="/sessions", help=gettext_lazy("List the 10 most recent dialogs"))
 async def _sessions(ctx: CommandContext, args: str) -> CommandResult:
     items = await sync_to_async(selectors.dialog_list_for_chat)(
         owner_id=ctx.owner.pk, channel=ctx.channel, chat_id=ctx.chat_id, limit=10
@@ -135,7 +136,12 @@ async def _sessions(ctx: CommandContext, args: str) -> CommandResult:
     return CommandResult("sessions", "\n".join(lines))
 
 
-@command("switch", usage="/switch <dialog_id>", help=_("Switch to another dialog"), takes_args=True)
+@command(
+    "switch",
+    usage="/switch <dialog_id>",
+    help=gettext_lazy("Switch to another dialog"),
+    takes_args=True,
+)
 async def _switch(ctx: CommandContext, args: str) -> CommandResult:
     if not args or " " in args:
         raise BadRequest(_("Usage: /switch <dialog_id>"))
@@ -152,7 +158,12 @@ async def _switch(ctx: CommandContext, args: str) -> CommandResult:
     )
 
 
-@command("rename", usage="/rename <title>", help=_("Rename the current dialog"), takes_args=True)
+@command(
+    "rename",
+    usage="/rename <title>",
+    help=gettext_lazy("Rename the current dialog"),
+    takes_args=True,
+)
 async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if not args:
@@ -166,7 +177,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     )
 
 
-@command("delete", usage="/delete", help=_("Delete the current dialog"))
+@command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"))
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if ctx.engine is not None:
@@ -184,7 +195,7 @@ async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     )
 
 
-@command("info", usage="/info", help=_("Show the current dialog"))
+@command("info", usage="/info", help=gettext_lazy("Show the current dialog"))
 async def _info(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
 
@@ -209,7 +220,9 @@ async def _info(ctx: CommandContext, args: str) -> CommandResult:
     return CommandResult("info", "\n".join(lines))
 
 
-@command("stop", usage="/stop", help=_("Stop the running answer and drop queued messages"))
+@command(
+    "stop", usage="/stop", help=gettext_lazy("Stop the running answer and drop queued messages")
+)
 async def _stop(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if ctx.engine is None:
@@ -218,7 +231,7 @@ async def _stop(ctx: CommandContext, args: str) -> CommandResult:
     return CommandResult("stop", result.describe())
 
 
-@command("compact", usage="/compact", help=_("Summarise older history to free context"))
+@command("compact", usage="/compact", help=gettext_lazy("Summarise older history to free context"))
 async def _compact(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     from . import background
@@ -227,7 +240,7 @@ async def _compact(ctx: CommandContext, args: str) -> CommandResult:
     return CommandResult("compact", _("Compaction started; you will be told when it is done."))
 
 
-@command("help", usage="/help", help=_("Show this help"))
+@command("help", usage="/help", help=gettext_lazy("Show this help"))
 async def _help(ctx: CommandContext, args: str) -> CommandResult:
     lines = [_("Commands:")] + [f"{c.usage} — {c.help}" for c in REGISTRY.values()]
     return CommandResult("help", "\n".join(lines))

@@ -6,8 +6,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,3 +55,59 @@ def popen_manage(*args: str, env: dict[str, str], **kwargs: Any) -> subprocess.P
     return subprocess.Popen(
         [sys.executable, "manage.py", *args], cwd=ROOT, env=env, text=True, **kwargs
     )
+
+
+class ServeProcess:
+    """`manage.py serve` as a subprocess on a free port, healthy once `start()` returns; a
+    test can stop and start it again on the same port and database."""
+
+    STARTUP_DEADLINE_S = 60.0
+
+    def __init__(self, var_dir: Path, env: dict[str, str]) -> None:
+        self.env = env
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = var_dir / "serve.log"
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ServeProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        with self.log_path.open("a") as log:
+            self.proc = popen_manage(
+                "serve",
+                "--port",
+                str(self.port),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + self.STARTUP_DEADLINE_S
+        while True:
+            assert self.proc.poll() is None, f"serve exited:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.base}/healthz", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"serve never answered:\n{self.log()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""

@@ -5,7 +5,6 @@ answer, and a client that hangs up mid-turn stopping nothing (SPEC E3, D1, D3, C
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,11 +16,9 @@ import httpx
 import pytest
 
 from tests.fakemodel import FakeModelServer, Reply
-from tests.procs import embedded_env, free_port, manage, popen_manage
+from tests.procs import ServeProcess, embedded_env, manage
 
 pytestmark = pytest.mark.slow
-
-STARTUP_DEADLINE_S = 60.0
 
 
 @dataclass
@@ -49,32 +46,8 @@ def serve_api(var_dir: Path, model_url: str, **env_extra: str) -> Iterator[LiveA
     issued = manage("issue_token", "apiuser", "--create-user", env=env)
     assert issued.returncode == 0, issued.stdout + issued.stderr
     token = issued.stdout.strip().splitlines()[-1]
-    port = free_port()
-    log_path = var_dir / "serve.log"
-    with log_path.open("w") as log:
-        proc = popen_manage(
-            "serve", "--port", str(port), env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while True:
-            assert proc.poll() is None, f"serve exited early:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"serve never answered:\n{log_path.read_text()}"
-            time.sleep(0.2)
-        yield LiveApi(base=base, token=token, log=log_path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with ServeProcess(var_dir, env) as server:
+        yield LiveApi(base=server.base, token=token, log=server.log_path)
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.fakemodel import FakeModelServer, Reply, echo_reply
-from tests.procs import ROOT, embedded_env, free_port, manage, popen_manage
+from tests.procs import ROOT, embedded_env, manage
+from tests.procs import ServeProcess as Served
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 PASSWORD = "browser-test-password"
 ARTIFACTS = ROOT / "artifacts"
-STARTUP_DEADLINE_S = 60.0
 WAIT_MS = 15_000
 
 expect.set_options(timeout=WAIT_MS)
@@ -42,48 +39,6 @@ def _require_chromium() -> None:
 
 
 # --- Servers ------------------------------------------------------------------------------
-
-
-class Served:
-    """A `serve` subprocess that a test can restart on the same port and database."""
-
-    def __init__(self, var_dir: Path, env: dict[str, str]) -> None:
-        self.var_dir = var_dir
-        self.env = env
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = var_dir / "serve.log"
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        with self.log_path.open("a") as log:
-            self.proc = popen_manage(
-                "serve", "--port", str(self.port), env=self.env, stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while True:
-            assert self.proc.poll() is None, f"serve exited:\n{self.log_path.read_text()}"
-            try:
-                if httpx.get(f"{self.base}/healthz", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"serve never answered:\n{self.log()}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=25)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
 
 
 @pytest.fixture(scope="module")

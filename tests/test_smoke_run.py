@@ -7,92 +7,31 @@ environment says about DATABASE_URL and REDIS_URL.
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.procs import ServeProcess, embedded_env, manage
+
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parent.parent
-STARTUP_DEADLINE_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _manage(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """The base URL of a `serve` process started as `make run` does, and its log file."""
     var_dir = tmp_path_factory.mktemp("var")
-    env = {
-        **os.environ,
-        "CHAT_VAR_DIR": str(var_dir),
-        "DATABASE_URL": "",
-        "REDIS_URL": "",
-        "DJANGO_DEBUG": "0",
-        "LLM_BASE_URL": "",
-        "DEMO_PASSWORD": "smoke-test-password",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = embedded_env(var_dir, DEMO_PASSWORD="smoke-test-password")
     for args in (("migrate", "--noinput"), ("ensure_demo_user",)):
-        done = _manage(*args, env=env)
+        done = manage(*args, env=env)
         assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
         if args[0] == "ensure_demo_user":
             assert "Demo login: demo / smoke-test-password" in done.stdout
 
-    port = _free_port()
-    log_path = var_dir / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "manage.py", "serve", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while True:
-            assert proc.poll() is None, f"serve exited early:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"{base}/healthz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"serve never answered:\n{log_path.read_text()}"
-            time.sleep(0.2)
-        yield base, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    with ServeProcess(var_dir, env) as server:
+        yield server.base, server.log_path
 
 
 def test_serve_prints_its_address(served: tuple[str, Path]) -> None:

@@ -72,7 +72,14 @@ def _header(scope: dict[str, Any], name: bytes) -> str:
 
 
 def _language(scope: dict[str, Any]) -> str:
-    """F5: the first supported language of the handshake's Accept-Language."""
+    """F5: the user's choice (the language cookie set by /i18n/setlang/), else the first
+    supported language of the handshake's Accept-Language."""
+    chosen = (scope.get("cookies") or {}).get(settings.LANGUAGE_COOKIE_NAME)
+    if chosen:
+        try:
+            return translation.get_supported_language_variant(chosen)
+        except LookupError:
+            pass
     for part in _header(scope, b"accept-language").split(","):
         code = part.split(";")[0].strip()
         if not code or code == "*":
@@ -262,9 +269,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._send(error_frame(exc, client_msg_id))
         except Exception:
             logger.exception("websocket frame failed", extra={"chat_id": self.chat_id})
-            await self._send(
-                error_frame(InternalError(_("Something went wrong; try again.")), client_msg_id)
-            )
+            await self._send(error_frame(InternalError(), client_msg_id))
 
     @staticmethod
     def _parse(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:

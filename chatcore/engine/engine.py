@@ -32,6 +32,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
+from django.utils.translation import ngettext
 
 from sessions_app import selectors, services
 from sessions_app.models import (
@@ -138,7 +139,12 @@ class StopResult:
         if self.stopped_running:
             parts.append(_("Stopped the running answer."))
         if self.dropped:
-            parts.append(_("Dropped %(n)d queued message(s).") % {"n": self.dropped})
+            parts.append(
+                ngettext(
+                    "Dropped %(n)d queued message.", "Dropped %(n)d queued messages.", self.dropped
+                )
+                % {"n": self.dropped}
+            )
         return " ".join(parts)
 
 

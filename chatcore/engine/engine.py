@@ -284,13 +284,7 @@ class Engine:
     def _admit(self, inbound: Inbound, session: Session) -> Ack:
         def write() -> tuple[Ack, Turn | None, services.Appended | None]:
             with transaction.atomic():
-                live = (
-                    Session.objects.select_for_update()
-                    .filter(pk=session.pk, deleted_at__isnull=True)
-                    .first()
-                )
-                if live is None:
-                    raise NotFound(_("Dialog not found."))
+                live = _lock_live(session.pk)
                 busy = Turn.objects.filter(
                     session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
                 ).exists()
@@ -480,13 +474,7 @@ class Engine:
 
         def write() -> Ack:
             with transaction.atomic():
-                live = (
-                    Session.objects.select_for_update()
-                    .filter(pk=session.pk, deleted_at__isnull=True)
-                    .first()
-                )
-                if live is None:
-                    raise NotFound(_("Dialog not found."))
+                live = _lock_live(session.pk)
                 last = Turn.objects.filter(session_id=session.pk).order_by("-number").first()
                 if last is None or last.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED):
                     raise NothingToRetry()
@@ -1063,3 +1051,13 @@ def _terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
     partial = getattr(outcome, "partial", "") if persisted else ""
     status = "cancelled" if result.status == TurnStatus.CANCELLED else "failed"
     return Terminal(status=status, text=partial, error_message=error)
+
+
+def _lock_live(session_pk: str) -> Session:
+    """Lock a live dialog's row for this transaction (queue changes serialise on it)."""
+    live = (
+        Session.objects.select_for_update().filter(pk=session_pk, deleted_at__isnull=True).first()
+    )
+    if live is None:
+        raise NotFound(_("Dialog not found."))
+    return live

@@ -25,6 +25,7 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.http.cookie import parse_cookie
 from django.utils import translation
 from django.utils.translation import gettext as _
 
@@ -74,7 +75,7 @@ def _header(scope: dict[str, Any], name: bytes) -> str:
 def _language(scope: dict[str, Any]) -> str:
     """F5: the user's choice (the language cookie set by /i18n/setlang/), else the first
     supported language of the handshake's Accept-Language."""
-    chosen = (scope.get("cookies") or {}).get(settings.LANGUAGE_COOKIE_NAME)
+    chosen = parse_cookie(_header(scope, b"cookie")).get(settings.LANGUAGE_COOKIE_NAME)
     if chosen:
         try:
             return translation.get_supported_language_variant(chosen)

@@ -992,3 +992,24 @@ async def test_recreated_dialog_with_the_same_id(connect: Any, fake_model: Any, 
     deltas = [f for f in frames if f["type"] == "history_delta"]
     assert [d["base_revision"] for d in deltas] == [1, 2]
     assert await count(Message, session=new, role="user") == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ([(b"cookie", b"django_language=zh-hans")], "未知命令"),
+        ([(b"accept-language", b"zh-CN,zh;q=0.9")], "未知命令"),
+        ([(b"cookie", b"django_language=en"), (b"accept-language", b"zh-CN")], "Unknown command"),
+    ],
+)
+async def test_replies_follow_the_users_language(engine, user, extra, expected):
+    # covers: F5 (the language cookie set by /i18n/setlang/ wins over Accept-Language)
+    ws, connected = await open_ws(await bearer(user) + extra)
+    assert connected
+    try:
+        await ws.next()
+        await ws.next()
+        answer = await ws.ask({"type": "send", "content": "/bogus", "client_msg_id": "lang"})
+        assert answer["type"] == "error" and expected in answer["message"]
+    finally:
+        await ws.close()

@@ -190,7 +190,6 @@ class Engine:
         self._control_channel: str | None = None
         self._started = False
         self.cfg = settings.CHAT
-        self.turns_finished = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self.delivery = DeliveryCoordinator(
             retries=self.cfg["SINK_RETRIES"],
@@ -726,7 +725,6 @@ class Engine:
             await self._finish(turn, session, outcome, generation, delivery=local.delivery)
         finally:
             self.local.pop(turn_id, None)
-            self.turns_finished += 1
 
     async def _run_cancellable(
         self, local: LocalTurn, runner: TurnRunner, prepared: Any

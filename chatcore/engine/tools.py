@@ -13,7 +13,7 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import import_module
@@ -224,6 +224,3 @@ def registry_from_settings() -> ToolRegistry:
     for path in settings.CHAT["EXTRA_TOOLS"]:
         registry.add(_load_extra(path))
     return registry
-
-
-AsyncToolFn = Callable[..., Awaitable[Any]]

@@ -99,7 +99,6 @@ class TurnRunner:
         self.step_text = ""
         self.usage: dict[str, Any] = {}
         self.recovered = False
-        self.requests = 0
 
     @property
     def partial(self) -> str:
@@ -183,7 +182,6 @@ class TurnRunner:
     async def _one_request(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> Completion:
-        self.requests += 1
         started = time.monotonic()
         if self.pending and self.snapshot.text and not self.snapshot.text.endswith("\n\n"):
             separator_pending = True

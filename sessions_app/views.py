@@ -11,6 +11,8 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 
+from chatcore.engine.clientstate import snapshot_gaps
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,6 +65,8 @@ def healthz(request: HttpRequest) -> JsonResponse:
             "status": "ok" if ok else "degraded",
             "mode": "scaled" if settings.SCALED else "embedded",
             **checks,
+            # D1: snapshot tails found missing by this process's connections since it started.
+            "snapshot_gaps": snapshot_gaps(),
         },
         status=200 if ok else 503,
     )

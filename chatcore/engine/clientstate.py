@@ -7,6 +7,7 @@ see the same state in the same shapes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,16 @@ from . import publish
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+# Snapshot tails this process's connections found missing (a layer at capacity drops frames
+# silently); reported by /healthz. Each one is answered with a full snapshot, never silence.
+_snapshot_gaps = 0
+
+
+def snapshot_gaps() -> int:
+    return _snapshot_gaps
 
 
 def session_item(session: Session) -> dict[str, Any]:
@@ -188,6 +199,8 @@ class SnapshotRelay:
             self.asked.discard(turn_id)
             return frame, False
         if known is None or offset > known:
+            if known is not None:
+                _count_gap(turn_id, known, offset)
             ask = turn_id not in self.asked
             self.asked.add(turn_id)
             return None, ask
@@ -196,6 +209,18 @@ class SnapshotRelay:
             frame = {**frame, "text_offset": known, "text": text[known - offset :]}
         self.known[turn_id] = max(known, end)
         return frame, False
+
+
+def _count_gap(turn_id: str, known: int, offset: int) -> None:
+    global _snapshot_gaps
+    _snapshot_gaps += 1
+    logger.warning(
+        "snapshot tail missing (client has %d characters, frame starts at %d); "
+        "asking for a full snapshot",
+        known,
+        offset,
+        extra={"turn_id": turn_id},
+    )
 
 
 async def request_full_snapshot(turn_id: str, reply_channel: str) -> None:

@@ -873,7 +873,6 @@ class Engine:
         """Coalesce to at most SNAPSHOT_FPS frames a second; each frame carries only the new
         tail of the text (`text_offset`), so bytes grow with the answer."""
         interval = 1.0 / max(1, self.cfg["SNAPSHOT_FPS"])
-        group = publish.session_group(local.session.pk)
         snap = local.snapshot
         while not local.ended:
             await snap.changed.wait()
@@ -882,27 +881,34 @@ class Engine:
                 return
             if snap.version == local.published_version:
                 continue
-            local.published_version = snap.version
-            await publish.apublish(group, self.snapshot_frame(local, full=False))
+            await self._send_snapshot(local)
             if local.delivery is not None:
                 await local.delivery.update(snap.text)
             await asyncio.sleep(interval)
 
+    async def _send_snapshot(self, local: LocalTurn) -> None:
+        """Send the tail since the last frame that was sent. It counts as sent only once the
+        layer took it: a publish cancelled at turn end is sent again by the final flush, so
+        the last tokens always reach clients before `turn_updated` (D1)."""
+        version = local.snapshot.version
+        frame = self.snapshot_frame(local, full=False)
+        await publish.apublish(publish.session_group(local.session.pk), frame)
+        local.published_version = version
+        local.published_offset = frame["text_offset"] + len(frame["text"])
+
     async def _flush_snapshot(self, local: LocalTurn) -> None:
-        """One last frame before the terminal when the coalescer held back a change."""
+        """One last frame before the terminal when the coalescer held back a change (or its
+        last publish was cancelled before the layer took it)."""
         if local.snapshot.version != local.published_version:
-            local.published_version = local.snapshot.version
-            await publish.apublish(
-                publish.session_group(local.session.pk), self.snapshot_frame(local, full=False)
-            )
+            await self._send_snapshot(local)
 
     def snapshot_frame(self, local: LocalTurn, *, full: bool) -> dict[str, Any]:
+        """A `turn_snapshot` frame: the whole text (`full`, for a client joining mid-turn) or
+        the tail after the last frame sent to the session group."""
         snap = local.snapshot
         text = snap.text
         offset = 0 if full else min(local.published_offset, len(text))
         local.frame += 1
-        if not full:
-            local.published_offset = len(text)
         return {
             "type": "turn_snapshot",
             "session_id": local.session.session_id,

@@ -1,0 +1,120 @@
+"""Every answer arrives whole through its snapshots, also when the channel layer is slow at
+the moment the turn ends (SPEC D1): a snapshot publish still in flight when the turn ends must
+not count as sent, or the last tokens never reach the clients."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from channels.layers import InMemoryChannelLayer
+from channels_redis.pubsub import RedisPubSubChannelLayer
+from django.test import override_settings
+
+from chatcore.engine import publish
+from tests.engine_helpers import chat_group_of, history, make_dialog, send
+from tests.fakemodel import Reply
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
+
+SLOW_SECONDS = 0.5
+# Snapshot frames whose publish has started (the test waits for the last tail to be in flight).
+in_flight: list[dict[str, Any]] = []
+
+
+async def _slowly(message: dict[str, Any]) -> None:
+    """Snapshot publishes take a while (a busy Redis, a held connection lock)."""
+    frame = message.get("frame", {})
+    if frame.get("type") == "turn_snapshot":
+        in_flight.append(frame)
+        await asyncio.sleep(SLOW_SECONDS)
+
+
+class SlowInMemoryLayer(InMemoryChannelLayer):
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        await _slowly(message)
+        await super().group_send(group, message)
+
+
+class SlowRedisLayer(RedisPubSubChannelLayer):
+    # The pub/sub layer proxies its methods to a per-loop layer.
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        await _slowly(message)
+        await self._get_layer().group_send(group, message)
+
+
+def _layers(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+    if kind == "memory":
+        return {"default": {"BACKEND": f"{__name__}.SlowInMemoryLayer"}}
+    redis_url = request.getfixturevalue("redis_url")
+    return {
+        "default": {
+            "BACKEND": f"{__name__}.SlowRedisLayer",
+            "CONFIG": {"hosts": [redis_url], "prefix": f"snapdel{id(request)}"},
+        }
+    }
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_last_snapshot_reaches_clients_before_the_terminal(
+    kind, request, make_engine, fake_model, recorder, user
+):
+    # covers: D1, D2
+    in_flight.clear()
+    with override_settings(CHANNEL_LAYERS=_layers(kind, request)):
+        engine = await make_engine()
+        session = await make_dialog(user)
+        # One listener on both groups, as a connection whose current dialog this is: the
+        # order of snapshots and the terminal is what a client sees.
+        rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+        answer = "".join(f"t{i} " for i in range(60))
+        gate = threading.Event()
+        fake_model.script(Reply(text=answer, chunk=3, gate=gate))
+        ack = await send(engine, session, "question")
+
+        # The stream holds after its text; end it while the last tail is being published.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while not any(f["text_offset"] + len(f["text"]) == len(answer) for f in in_flight):
+            assert loop.time() < deadline, "the last tail was never published"
+            await asyncio.sleep(0.005)
+        gate.set()
+
+        text = ""
+
+        def apply(frame: dict[str, Any]) -> bool:
+            nonlocal text
+            if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
+                assert frame["text_offset"] <= len(text), "a snapshot tail went missing"
+                text = text[: frame["text_offset"]] + frame["text"]
+            return frame["type"] == "turn_updated" and frame["turn_id"] == ack.turn_id
+
+        frames = await rec.until(apply, timeout=20)
+        assert frames[-1]["status"] == "completed"
+        # The answer rebuilt from snapshots before `turn_updated` is the whole answer.
+        assert text == answer
+        stored = [m.content for m in await history(session) if m.role == "assistant"]
+        assert stored == [answer]
+
+
+def test_a_missing_tail_is_logged_counted_and_answered_with_a_full_snapshot(caplog):
+    # covers: D1
+    from chatcore.engine.clientstate import SnapshotRelay, snapshot_gaps
+
+    relay = SnapshotRelay()
+    base = {"type": "turn_snapshot", "turn_id": "t1", "tools": [], "status": "running"}
+    out, ask = relay.relay({**base, "text_offset": 0, "text": "Hello", "frame": 1})
+    assert out is not None and not ask
+    before = snapshot_gaps()
+    # The frame with " wor" was dropped by the layer; the next one starts past the client.
+    out, ask = relay.relay({**base, "text_offset": 9, "text": "ld", "frame": 3})
+    assert out is None and ask, "a gap asks the turn's process for a full snapshot"
+    assert snapshot_gaps() == before + 1
+    assert "snapshot tail missing" in caplog.text
+    # Asked once per turn, however many frames arrive before the full snapshot.
+    out, ask = relay.relay({**base, "text_offset": 11, "text": "!", "frame": 4})
+    assert out is None and not ask
+    out, ask = relay.relay({**base, "text_offset": 0, "text": "Hello world!", "frame": 5})
+    assert out is not None and out["text"] == "Hello world!"

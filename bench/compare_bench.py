@@ -1,0 +1,448 @@
+"""The platform beside the floor, in one run on one machine: every figure as a ratio to a bare
+Channels relay (`bench/floor_relay.py`) of the same fake model.
+
+    .venv/bin/python bench/compare_bench.py [--streams 100] [--turns 40]
+        [--scaled --database-url postgres://postgres@127.0.0.1:5432/test
+                  --redis-url redis://127.0.0.1:6379/9]
+
+Targets: the floor relay; the platform in embedded mode (one `manage.py serve`: SQLite WAL,
+in-memory channel layer); with `--scaled`, the platform on PostgreSQL + Redis with one and with
+two `serve` processes (clients spread over both). Scaled runs use a throwaway database created
+on the given server and dropped afterwards.
+
+The model is `tests.fakemodel.FakeModelServer` in its own process. Figures per target:
+- added TTFT p50/p99, one turn at a time (`--turns` sends, one client): send to first
+  `turn_snapshot`, minus the model's own time to first delta (measured directly);
+- server CPU per turn in that phase (user + system time of the server processes / turns);
+- `--streams` streams at once (one client and one user each, all sending together) from a
+  model that paces its deltas like a real one (`--pace` seconds per delta): delivered/offered
+  (answer characters delivered per second / what the model offered: streams x answer length /
+  one answer's own duration), and TTFT p99.
+Every answer is rebuilt from its snapshot tails and compared with the model's text; a mismatch
+is counted and printed (it is a failure, not noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.ws_bench import answer_text, percentile  # noqa: E402
+from tests.procs import embedded_env, free_port  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --- The model, in its own process ----------------------------------------------------------
+
+
+def serve_model(chars: int, chunk: int, pace: float) -> None:
+    from tests.fakemodel import FakeModelServer, Reply
+
+    text = answer_text(chars)
+    server = FakeModelServer()
+    fast = Reply(text=text, chunk=chunk)
+    paced = Reply(text=text, chunk=chunk, delay=pace)
+    server.default = lambda request: paced if "paced" in json.dumps(request["messages"]) else fast
+    server.start()
+    print(server.port, flush=True)
+    try:
+        sys.stdin.read()
+    finally:
+        server.stop()
+
+
+class Model:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.text = answer_text(args.answer_chars)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--serve-model",
+                "--answer-chars",
+                str(args.answer_chars),
+                "--chunk",
+                str(args.chunk),
+                "--pace",
+                str(args.pace),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{self.proc.stdout.readline().strip()}/v1"
+
+    def own_times(self, paced: bool, n: int = 20) -> tuple[float, float]:
+        """The model's own time to first delta (p50) and to the end of one answer."""
+        import httpx
+
+        firsts, totals = [], []
+        content = "paced" if paced else "fast"
+        with httpx.Client(timeout=60) as client:
+            for _ in range(n if not paced else 2):
+                start = time.perf_counter()
+                first = None
+                body = {
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": content}],
+                }
+                with client.stream("POST", f"{self.url}/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if first is None and '"content"' in line:
+                            first = time.perf_counter()
+                firsts.append((first or time.perf_counter()) - start)
+                totals.append(time.perf_counter() - start)
+        return statistics.median(firsts), statistics.median(totals)
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+# --- Targets --------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    urls: list[str]
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    platform: bool = True
+    cleanup: list[Any] = field(default_factory=list)
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for proc in self.procs:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return total
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for fn in self.cleanup:
+            fn()
+
+
+def _wait_port(port: int, proc: subprocess.Popen[str], log: Path) -> None:
+    import socket
+
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"server did not start:\n{log.read_text()}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+
+
+def start_floor(model: Model, tmp: Path) -> Target:
+    port = free_port()
+    log = tmp / "floor.log"
+    env = {**os.environ, "FLOOR_MODEL_URL": model.url, "PYTHONPATH": str(ROOT)}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).parent / "daphne"),
+                "-p",
+                str(port),
+                "bench.floor_relay:application",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    _wait_port(port, proc, log)
+    return Target("floor relay", [f"ws://127.0.0.1:{port}/ws/chat/"], [proc], platform=False)
+
+
+def platform_env(model: Model, tmp: Path, **extra: str) -> dict[str, str]:
+    return embedded_env(
+        tmp,
+        LLM_BASE_URL=model.url,
+        LLM_MODEL="bench",
+        CHAT_RATE_LIMIT_PER_MINUTE="1000000",
+        CHAT_AUTO_TITLE_AFTER="1000000",
+        CHAT_QUEUE_CAPACITY="1000",
+        LOG_LEVEL="WARNING",
+        **extra,
+    )
+
+
+def make_tokens(env: dict[str, str], n: int) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--make-tokens", str(n)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.split()
+
+
+def _make_tokens_here(n: int) -> None:
+    os.environ["DJANGO_SETTINGS_MODULE"] = "chatcore.settings"
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from sessions_app.services import api_token_issue
+
+    call_command("migrate", verbosity=0)
+    prefix = uuid.uuid4().hex[:6]
+    for i in range(n):
+        user = get_user_model().objects.create_user(f"b{prefix}{i}", password=None)
+        print(api_token_issue(user=user, name="bench")[1])
+
+
+def start_platform(name: str, env: dict[str, str], tmp: Path, processes: int, users: int) -> Target:
+    from tests.procs import popen_manage
+
+    tokens = make_tokens(env, users)
+    target = Target(name, [], tokens=tokens)
+    for i in range(processes):
+        port = free_port()
+        log = tmp / f"serve-{i}.log"
+        with log.open("w") as out:
+            proc = popen_manage(
+                "serve", "--port", str(port), env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        target.procs.append(proc)
+        _wait_port(port, proc, log)
+        target.urls.append(f"ws://127.0.0.1:{port}/ws/chat/")
+    return target
+
+
+def scaled_env(
+    model: Model, tmp: Path, database_url: str, redis_url: str
+) -> tuple[dict[str, str], Any]:
+    import psycopg
+
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = database_url.rsplit("/", 1)[0] + "/" + name
+
+    def drop() -> None:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    env = platform_env(model, tmp, DATABASE_URL=url, REDIS_URL=redis_url)
+    return env, drop
+
+
+# --- Clients ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    ttft: float
+    sent_at: float
+    done_at: float
+    chars: int
+    ok: bool
+
+
+async def one_client(
+    url: str,
+    token: str | None,
+    sends: int,
+    content: str,
+    expected: str,
+    start: asyncio.Event,
+    ready: list[int],
+) -> list[Stream]:
+    from websockets.asyncio.client import connect
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    out = []
+    async with connect(url, additional_headers=headers, max_size=None) as ws:
+        if token:
+            for expected_type in ("sessions", "session_history"):
+                frame = json.loads(await ws.recv())
+                assert frame["type"] == expected_type, frame
+        ready.append(1)
+        await start.wait()
+        for _ in range(sends):
+            sent_at = time.perf_counter()
+            await ws.send(json.dumps({"type": "send", "content": content}))
+            first = None
+            text = ""
+            ok = True
+            while True:
+                frame = json.loads(await ws.recv())
+                kind = frame["type"]
+                if kind == "turn_snapshot":
+                    first = first or time.perf_counter()
+                    if frame["text_offset"] > len(text):
+                        ok = False
+                    text = text[: frame["text_offset"]] + frame["text"]
+                elif kind == "turn_updated":
+                    ok = ok and frame["status"] == "completed"
+                    break
+                elif kind == "error":
+                    raise RuntimeError(frame)
+            now = time.perf_counter()
+            out.append(
+                Stream((first or now) - sent_at, sent_at, now, len(text), ok and text == expected)
+            )
+    return out
+
+
+async def run_clients(
+    target: Target, clients: int, sends: int, content: str, expected: str
+) -> list[Stream]:
+    start = asyncio.Event()
+    ready: list[int] = []
+    tasks = []
+    for i in range(clients):
+        url = target.urls[i % len(target.urls)]
+        token = target.tokens[i] if target.platform else None
+        tasks.append(
+            asyncio.create_task(one_client(url, token, sends, content, expected, start, ready))
+        )
+    while len(ready) < clients:
+        for task in tasks:
+            if task.done() and task.exception():
+                raise task.exception()  # type: ignore[misc]
+        await asyncio.sleep(0.01)
+    start.set()
+    return [s for result in await asyncio.gather(*tasks) for s in result]
+
+
+def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str, float]:
+    fast_first, _ = model.own_times(paced=False)
+    _, paced_total = model.own_times(paced=True)
+    # Warm up (imports, connections), then one turn at a time.
+    asyncio.run(run_clients(target, 1, 3, "fast", model.text))
+    cpu0 = target.cpu_seconds()
+    serial = asyncio.run(run_clients(target, 1, args.turns, "fast", model.text))
+    cpu = (target.cpu_seconds() - cpu0) / args.turns
+    added = [max(0.0, s.ttft - fast_first) * 1000 for s in serial]
+    burst = asyncio.run(run_clients(target, args.streams, 1, "paced", model.text))
+    wall = max(s.done_at for s in burst) - min(s.sent_at for s in burst)
+    offered = args.streams * len(model.text) / paced_total
+    delivered = sum(s.chars for s in burst) / wall
+    return {
+        "ttft_p50": statistics.median(added),
+        "ttft_p99": percentile(added, 99),
+        "cpu_ms": cpu * 1000,
+        "delivered": delivered / offered,
+        "burst_p99": percentile([s.ttft * 1000 for s in burst], 99),
+        "mismatches": sum(not s.ok for s in serial + burst),
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    model = Model(args)
+    tmp = Path(tempfile.mkdtemp(prefix="compare-bench-"))
+    users = args.streams
+    plans: list[tuple[str, Any]] = [
+        ("floor relay", lambda: start_floor(model, tmp)),
+        (
+            "platform, embedded",
+            lambda: start_platform(
+                "platform, embedded", platform_env(model, tmp / "emb"), tmp, 1, users
+            ),
+        ),
+    ]
+    if args.scaled:
+        for n in (1, 2):
+
+            def plan(n: int = n) -> Target:
+                env, drop = scaled_env(model, tmp, args.database_url, args.redis_url)
+                target = start_platform(
+                    f"platform, PG + Redis, {n} process(es)", env, tmp, n, users
+                )
+                target.cleanup.append(drop)
+                return target
+
+            plans.append((f"scaled {n}", plan))
+    (tmp / "emb").mkdir()
+    rows = []
+    try:
+        for _label, start in plans:
+            target = start()
+            try:
+                row = measure(target, model, args)
+            finally:
+                target.stop()
+            rows.append((target.name, row))
+            print(target.name, {k: round(v, 2) for k, v in row.items()}, flush=True)
+    finally:
+        model.stop()
+    floor = rows[0][1]
+    print(
+        f"\n{os.cpu_count()} cores; answer {args.answer_chars} chars in {args.chunk}-char deltas; "
+        f"{args.turns} serial turns; {args.streams} streams paced {args.pace * 1000:.0f} ms/delta\n"
+    )
+    print(
+        "| target | added TTFT p50 / p99 (ms) | x floor | CPU/turn (ms) | x floor "
+        f"| {args.streams} streams delivered/offered | TTFT p99 (ms) | x floor | mismatches |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, row in rows:
+        print(
+            f"| {name} | {row['ttft_p50']:.1f} / {row['ttft_p99']:.1f} "
+            f"| {row['ttft_p50'] / max(floor['ttft_p50'], 0.01):.1f} / "
+            f"{row['ttft_p99'] / max(floor['ttft_p99'], 0.01):.1f} "
+            f"| {row['cpu_ms']:.1f} | {row['cpu_ms'] / max(floor['cpu_ms'], 0.01):.1f} "
+            f"| {row['delivered']:.2f} | {row['burst_p99']:.0f} "
+            f"| {row['burst_p99'] / max(floor['burst_p99'], 0.01):.1f} | {row['mismatches']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--turns", type=int, default=40, help="serial turns for TTFT and CPU")
+    parser.add_argument("--streams", type=int, default=100, help="concurrent streams")
+    parser.add_argument("--answer-chars", type=int, default=1000)
+    parser.add_argument("--chunk", type=int, default=4, help="characters per model delta")
+    parser.add_argument("--pace", type=float, default=0.02, help="seconds per delta when paced")
+    parser.add_argument("--scaled", action="store_true", help="also PostgreSQL + Redis, 1 and 2")
+    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    parser.add_argument("--serve-model", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--make-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.serve_model:
+        serve_model(ns.answer_chars, ns.chunk, ns.pace)
+    elif ns.make_tokens:
+        _make_tokens_here(ns.make_tokens)
+    else:
+        if ns.scaled and not (ns.database_url and ns.redis_url):
+            parser.error("--scaled needs --database-url and --redis-url (or the env vars)")
+        main(ns)

@@ -676,7 +676,11 @@ class Engine:
             sink = sink_for_channel(session.channel)
             if sink is not None:
                 # D4: an external platform's streaming message for this turn.
-                target = {"chat_id": session.chat_id, **dict(turn.source.get("context") or {})}
+                target = {
+                    "chat_id": session.chat_id,
+                    **dict(turn.source.get("context") or {}),
+                    "turn_id": turn_id,
+                }
                 local.delivery = await self.delivery.start(sink, target)
             runtime = RuntimeInfo(
                 channel=session.channel, dialog_id=session.dialog_id, title=session.title

@@ -350,13 +350,11 @@ class Adapter:
         """Show the terminal of turns whose streaming message a dead process left open."""
         done = 0
         rows = await sync_to_async(store.deliveries_orphaned)(channel=self.channel, grace=grace)
-        for delivery, turn in rows:
+        for delivery, turn, partial in rows:
             if not await sync_to_async(store.delivery_claim)(turn_id=str(turn.pk)):
                 continue
             status = turn.status if turn.status in ("completed", "cancelled") else "failed"
-            terminal = Terminal(
-                status=status, text=turn.partial_text, error_message=turn.error_message
-            )
+            terminal = Terminal(status=status, text=partial, error_message=turn.error_message)
             client = self.client()
             try:
                 rendered = _pieces(client, terminal_markdown(terminal))[0]

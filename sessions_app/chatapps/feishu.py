@@ -137,7 +137,8 @@ class FeishuClient(PlatformClient):
             except ValueError:
                 raise RetryAfter(1.0) from None
         if code == 0:
-            return body.get("data") or {}
+            # Most methods answer in `data`; bot/v3/info answers at the top level.
+            return body["data"] if "data" in body else body
         if response.status_code == 404 or code in _NOT_FOUND:
             raise TargetNotFound(f"{path}: {code} {body.get('msg')}")
         raise DeliveryError(f"{path}: {code} {body.get('msg')}")

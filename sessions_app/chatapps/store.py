@@ -26,6 +26,9 @@ from sessions_app.models import (
     ChannelChat,
     ChannelDelivery,
     ChannelEvent,
+    Message,
+    MessageStatus,
+    Role,
     Session,
     Turn,
     TurnStatus,
@@ -204,9 +207,12 @@ def delivery_claim(*, turn_id: str) -> bool:
     )
 
 
-def deliveries_orphaned(*, channel: str, grace: timedelta) -> list[tuple[ChannelDelivery, Turn]]:
+def deliveries_orphaned(
+    *, channel: str, grace: timedelta
+) -> list[tuple[ChannelDelivery, Turn, str]]:
     """Deliveries left open by a process that died: their turn ended (closed by the process
-    that recovered it) at least `grace` ago and nobody showed its terminal."""
+    that recovered it) at least `grace` ago and nobody showed its terminal. Each comes with
+    the turn's partial answer as history keeps it (C11)."""
     rows = (
         ChannelDelivery.objects.filter(
             channel=channel,
@@ -217,7 +223,17 @@ def deliveries_orphaned(*, channel: str, grace: timedelta) -> list[tuple[Channel
         .select_related("turn")
         .order_by("created_at")[:50]
     )
-    return [(row, row.turn) for row in rows]
+    out = []
+    for row in rows:
+        partial = (
+            Message.objects.filter(turn_id=row.turn_id, role=Role.ASSISTANT)
+            .exclude(status=MessageStatus.COMPLETE)
+            .order_by("-seq")
+            .values_list("content", flat=True)
+            .first()
+        )
+        out.append((row, row.turn, partial or row.turn.partial_text))
+    return out
 
 
 def is_bot_message(*, channel: str, chat_id: str, message_id: str) -> bool:

@@ -312,6 +312,7 @@ class Adapter:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.started = False
+        self.ready = False
         self._lock = asyncio.Lock()
 
     def client(self) -> PlatformClient:
@@ -324,17 +325,20 @@ class Adapter:
         return None
 
     async def start(self) -> None:
+        """Once per process: the start-up calls (tried again on the next message while they
+        fail) and the reconcile loop."""
         async with self._lock:
-            if self.started:
-                return
-            self.started = True
-            try:
-                await self.on_start()
-            except Exception as exc:
-                logger.warning("%s adapter start-up call failed: %s", self.channel, exc)
-            self.engine.supervisor.spawn(
-                f"{self.channel}-reconcile", self._reconcile_loop(), daemon=True
-            )
+            if not self.ready:
+                try:
+                    await self.on_start()
+                    self.ready = True
+                except Exception as exc:
+                    logger.warning("%s adapter start-up call failed: %s", self.channel, exc)
+            if not self.started:
+                self.started = True
+                self.engine.supervisor.spawn(
+                    f"{self.channel}-reconcile", self._reconcile_loop(), daemon=True
+                )
 
     async def _reconcile_loop(self) -> None:
         while True:

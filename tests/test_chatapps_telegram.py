@@ -483,6 +483,17 @@ async def test_accounts_map_platform_users_and_an_operator_links_one(
     await sync_to_async(store.account_link)(account=account, user=user, writable=False)
     status, body, _ = await api.call("GET", "/sessions?channel=telegram")
     assert [item["session_id"] for item in body["items"]] == [session.session_id]
+    # Linked read-only: the web user sees the dialog but cannot write into it.
+    path = f"/sessions/{session.session_id}/messages"
+    status, body, _ = await api.call("POST", path, {"content": "from the web"})
+    assert status == 403 and body["code"] == "read_only"
+    assert len(await turns()) == 1
+    # Writable: a web send goes into the chat-app dialog and its answer reaches Telegram.
+    account = await sync_to_async(store.account_link)(account=account, user=user, writable=True)
+    status, body, _ = await api.call("POST", path, {"content": "from the web"})
+    assert status == 202, body
+    await bot.idle()
+    assert any(m.text == "echo: from the web" for m in bot.fake.bot_messages("42"))
     # The chat keeps working under the linked identity.
     update, outcome = await bot.say("still here?", user_id=7)
     assert outcome == "send"

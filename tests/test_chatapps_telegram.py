@@ -567,3 +567,43 @@ async def test_a_turn_interrupted_by_a_restart_ends_on_its_message_once(
     assert len([e for e in message.edits if "⚠" in e]) == 1
     delivery = await sync_to_async(ChannelDelivery.objects.get)(turn_id=turn.pk)
     assert delivery.finished_at is not None
+
+
+async def test_start_shows_the_commands(bot: Bot) -> None:
+    # covers: B3 (Telegram clients send /start first)
+    update, outcome = await bot.say("/start")
+    assert outcome == "command"
+    assert "/switch <dialog_id>" in bot.answers_to(update)[0].text
+
+
+async def test_the_telegram_poll_command_answers_and_stops_on_sigterm(
+    fake_telegram: FakeTelegram,
+) -> None:
+    # covers: PROTOCOL "Chat apps" (`manage.py telegram_poll`), F1
+    import os
+    import signal
+
+    from django.core.management import CommandError, call_command
+
+    from sessions_app.management.commands.telegram_poll import Command
+
+    with override_settings(CHATAPPS={**settings.CHATAPPS, "telegram": {"BOT_TOKEN": ""}}):
+        with pytest.raises(CommandError):
+            await sync_to_async(call_command)("telegram_poll")
+    update = fake_telegram.update("hello poller")
+    fake_telegram.queue_update(update)
+    with override_settings(**telegram_settings(fake_telegram)):
+        command = Command()
+        task = asyncio.ensure_future(command._run(1))
+        own = str(update["message"]["message_id"])
+
+        def answered() -> bool:
+            return any(
+                m.reply_to == own and m.text not in ("…", "") for m in fake_telegram.bot_messages()
+            )
+
+        await fake_telegram.wait_for(answered, timeout=30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, 30)
+    assert [t.content for t in await turns()] == ["hello poller"]
+    assert runtime._engine is None

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 # How long a delivery left open by a dead process waits before another process closes it.
 ORPHAN_GRACE = timedelta(seconds=5)
 RECONCILE_SECONDS = 2.0
+# Inbound event ids are kept this long for de-duplication (D5).
+EVENT_KEEP = timedelta(days=7)
+EVENT_PURGE_INTERVAL = 3600.0
 
 
 class RetryAfter(DeliveryError):
@@ -318,9 +321,6 @@ class Adapter:
     def client(self) -> PlatformClient:
         raise NotImplementedError
 
-    def sink(self) -> StreamingSink:
-        raise NotImplementedError
-
     async def on_start(self) -> None:
         return None
 
@@ -341,9 +341,14 @@ class Adapter:
                 )
 
     async def _reconcile_loop(self) -> None:
+        last_purge = 0.0
         while True:
             try:
                 await self.reconcile()
+                if time.monotonic() - last_purge >= EVENT_PURGE_INTERVAL:
+                    # Platforms redeliver for hours, not weeks: old event ids can go.
+                    last_purge = time.monotonic()
+                    await sync_to_async(store.events_purge)(older_than=EVENT_KEEP)
             except asyncio.CancelledError:
                 raise
             except Exception:

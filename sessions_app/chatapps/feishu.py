@@ -237,9 +237,6 @@ class FeishuAdapter(Adapter):
     def client(self) -> FeishuClient:
         return FeishuClient()
 
-    def sink(self) -> StreamingSink:
-        return FeishuSink()
-
     async def on_start(self) -> None:
         """Learn the bot's open_id, to recognise its @mentions in groups."""
         client = self.client()

@@ -142,9 +142,6 @@ class TelegramAdapter(Adapter):
     def client(self) -> TelegramClient:
         return TelegramClient()
 
-    def sink(self) -> StreamingSink:
-        return TelegramSink()
-
     async def on_start(self) -> None:
         """Learn who the bot is (for mentions) and set its command menu (B3)."""
         client = self.client()
@@ -188,7 +185,8 @@ class TelegramAdapter(Adapter):
                 if self.username and bot.lower() != self.username.lower():
                     return None  # a command for another bot
                 addressed = True
-            text = name + sep + rest
+            # Telegram clients send /start when a user opens the bot: show the commands.
+            text = "/help" if name == "/start" else name + sep + rest
         if mention:
             text = _strip_mention(text, mention)
         name = " ".join(

@@ -37,7 +37,7 @@ from sessions_app.models import (
 from tests.fakemodel import Reply
 from tests.fakeplatforms import BOT_USERNAME, TELEGRAM_TOKEN, Failure, FakeTelegram
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 SECRET = "webhook-s3cret"
 WEBHOOK = "/channels/telegram/webhook"

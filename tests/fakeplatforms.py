@@ -294,13 +294,19 @@ class FakeTelegram(FakeServer):
         reply_to: str | None = None,
         reply_to_bot: bool = True,
         update_id: int | None = None,
+        language_code: str = "en",
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "message_id": int(self.next_id()),
             "date": int(time.time()),
             "chat": {"id": chat_id, "type": "supergroup" if group else "private"}
             | ({"title": "Team"} if group else {}),
-            "from": {"id": user_id, "is_bot": False, "first_name": first_name},
+            "from": {
+                "id": user_id,
+                "is_bot": False,
+                "first_name": first_name,
+                "language_code": language_code,
+            },
             "text": text,
         }
         if reply_to is not None:

@@ -607,3 +607,12 @@ async def test_the_telegram_poll_command_answers_and_stops_on_sigterm(
         await asyncio.wait_for(task, 30)
     assert [t.content for t in await turns()] == ["hello poller"]
     assert runtime._engine is None
+
+
+async def test_replies_follow_the_senders_language(bot: Bot) -> None:
+    # covers: F5 (Telegram tells the sender's language)
+    update, _ = await bot.say("/frobnicate", language_code="zh-hans")
+    answer = bot.answers_to(update)[0].text
+    assert "/frobnicate" in answer and any("\u4e00" <= ch <= "\u9fff" for ch in answer)
+    update, _ = await bot.say("/frobnicate", language_code="en")
+    assert bot.answers_to(update)[0].text.startswith("Unknown command /frobnicate")

@@ -25,7 +25,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.utils import timezone
+from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
 from chatcore.engine import commands
@@ -68,6 +68,8 @@ class IncomingMessage:
     addressed: bool
     reply_to_message_id: str | None = None
     chat_title: str = ""
+    # The sender's language when the platform tells it (Telegram's language_code), F5.
+    language: str = ""
     received_at: datetime = field(default_factory=timezone.now)
 
 
@@ -232,6 +234,20 @@ async def handle_incoming(
     answered on the original message (D5). Returns what happened."""
     if not message.addressed:
         return "ignored"
+    with translation.override(_language(message.language)):
+        return await _handle(engine, client, message)
+
+
+def _language(code: str) -> str:
+    if code:
+        try:
+            return translation.get_supported_language_variant(code)
+        except LookupError:
+            pass
+    return str(settings.LANGUAGE_CODE)
+
+
+async def _handle(engine: Engine, client: PlatformClient, message: IncomingMessage) -> str:
     text = message.text.strip()
     try:
         ctx = await sync_to_async(store.chat_context)(

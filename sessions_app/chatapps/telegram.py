@@ -203,6 +203,7 @@ class TelegramAdapter(Adapter):
             text=text,
             addressed=addressed,
             reply_to_message_id=str(reply["message_id"]) if "message_id" in reply else None,
+            language=str(sender.get("language_code") or ""),
         )
 
     async def handle_update(self, update: dict[str, Any]) -> str:

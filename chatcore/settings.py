@@ -193,6 +193,30 @@ CHAT: dict[str, Any] = {
     "SINK_TIMEOUT_SECONDS": 10.0,
 }
 
+# Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.
+CHATAPPS: dict[str, dict[str, Any]] = {
+    "telegram": {
+        "BOT_TOKEN": os.environ.get("TELEGRAM_BOT_TOKEN", "").strip(),
+        "WEBHOOK_SECRET": os.environ.get("TELEGRAM_WEBHOOK_SECRET", "").strip(),
+        "API_BASE": os.environ.get("TELEGRAM_API_BASE", "https://api.telegram.org").rstrip("/"),
+        # Telegram allows about one edit a second per chat; a 429 retry_after overrides it.
+        "EDIT_INTERVAL_SECONDS": 1.0,
+        "POLL_TIMEOUT_SECONDS": 30,
+    },
+    "feishu": {
+        "APP_ID": os.environ.get("FEISHU_APP_ID", "").strip(),
+        "APP_SECRET": os.environ.get("FEISHU_APP_SECRET", "").strip(),
+        "VERIFICATION_TOKEN": os.environ.get("FEISHU_VERIFICATION_TOKEN", "").strip(),
+        "ENCRYPT_KEY": os.environ.get("FEISHU_ENCRYPT_KEY", "").strip(),
+        "API_BASE": os.environ.get("FEISHU_API_BASE", "https://open.feishu.cn").rstrip("/"),
+        "EDIT_INTERVAL_SECONDS": 1.0,
+    },
+}
+if CHATAPPS["telegram"]["BOT_TOKEN"]:
+    CHAT["SINKS"]["telegram"] = "sessions_app.chatapps.telegram.TelegramSink"
+if CHATAPPS["feishu"]["APP_ID"] and CHATAPPS["feishu"]["APP_SECRET"]:
+    CHAT["SINKS"]["feishu"] = "sessions_app.chatapps.feishu.FeishuSink"
+
 # `make run`: the port to serve on and the demo login it makes sure exists.
 PORT = _env_int("PORT", 8000)
 DEMO_PASSWORD = os.environ.get("DEMO_PASSWORD") or "demo-password"  # noqa: S105 - local demo

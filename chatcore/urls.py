@@ -8,6 +8,7 @@ from django.urls import include, path
 
 from sessions_app import views, web
 from sessions_app.api import api
+from sessions_app.chatapps import views as chatapp_views
 
 urlpatterns = [
     path("", web.chat_page, name="chat"),
@@ -17,4 +18,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", api.urls),
     path("i18n/", include("django.conf.urls.i18n")),
+    path("channels/telegram/webhook", chatapp_views.telegram_webhook, name="telegram-webhook"),
+    path("channels/feishu/events", chatapp_views.feishu_events, name="feishu-events"),
 ]

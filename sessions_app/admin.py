@@ -519,3 +519,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
             ngettext("Revoked %(n)d token.", "Revoked %(n)d tokens.", done) % {"n": done},
             level=messages.SUCCESS,
         )
+
+
+# Chat-app accounts and chats register their admins in their own module.
+from .chatapps import admin as _chatapps_admin  # noqa: E402, F401

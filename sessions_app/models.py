@@ -296,3 +296,112 @@ class ApiToken(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+# --- Chat apps (Telegram, Feishu): accounts, chats, inbound de-duplication, deliveries -----
+
+
+class ChannelAccount(models.Model):
+    """A person on a chat platform (A1, F6, F7). The engine acts for them as `identity`: the
+    Django user an operator linked them to, else their own service user (no password, so it
+    cannot log in). Per-user limits therefore apply to the account (or to the linked person
+    as a whole)."""
+
+    id = models.BigAutoField(primary_key=True)
+    channel = models.CharField(max_length=64)
+    external_id = models.CharField(max_length=128)
+    display_name = models.CharField(max_length=200, blank=True, default="")
+    service_user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="channel_account"
+    )
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="linked_channel_accounts",
+        help_text="A web user who sees this account's chat-app dialogs in their sidebar.",
+    )
+    writable = models.BooleanField(
+        default=False,
+        help_text="The linked user may also write into these dialogs from the web and the API.",
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    last_seen_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "external_id"], name="uniq_channel_account")
+        ]
+        ordering = ["channel", "external_id"]
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.external_id} ({self.display_name})"
+
+    @property
+    def identity_id(self) -> int:
+        return self.user_id or self.service_user_id
+
+
+class ChannelChat(models.Model):
+    """A platform chat (private or group). Its dialogs belong to the account that connected
+    it (A1): the first account whose message reached the bot from it. `current_dialog_id`
+    keeps the chat's current dialog across restarts (B1)."""
+
+    id = models.BigAutoField(primary_key=True)
+    channel = models.CharField(max_length=64)
+    chat_id = models.CharField(max_length=64)
+    is_group = models.BooleanField(default=False)
+    title = models.CharField(max_length=200, blank=True, default="")
+    account = models.ForeignKey(ChannelAccount, on_delete=models.PROTECT, related_name="chats")
+    current_dialog_id = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "chat_id"], name="uniq_channel_chat")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.chat_id}"
+
+
+class ChannelEvent(models.Model):
+    """An inbound platform event already taken (Telegram update_id, Feishu event_id): the
+    unique row is the durable de-duplication across redeliveries and processes (D5)."""
+
+    id = models.BigAutoField(primary_key=True)
+    channel = models.CharField(max_length=64)
+    event_id = models.CharField(max_length=128)
+    received_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["channel", "event_id"], name="uniq_channel_event")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.event_id}"
+
+
+class ChannelDelivery(models.Model):
+    """The platform message that streams one turn (D4). Whoever finishes it first claims it
+    (`finished_at`), so a turn ends on the platform exactly once, also when the process that
+    opened it died and another one closes the interrupted turn."""
+
+    id = models.BigAutoField(primary_key=True)
+    turn = models.OneToOneField(Turn, on_delete=models.CASCADE, related_name="channel_delivery")
+    channel = models.CharField(max_length=64)
+    chat_id = models.CharField(max_length=64)
+    message_id = models.CharField(max_length=128)
+    target = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["channel", "chat_id", "message_id"], name="idx_delivery_msg")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.chat_id}:{self.message_id}"

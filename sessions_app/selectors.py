@@ -13,7 +13,7 @@ from django.utils.translation import gettext as _
 from chatcore.engine.errors import NotFound
 from chatcore.engine.ids import SessionKey
 
-from .models import Message, Session, StagedInput, Turn, TurnStatus
+from .models import ChannelChat, Message, Session, StagedInput, Turn, TurnStatus
 
 HISTORY_PAGE_DEFAULT = 100
 HISTORY_PAGE_MAX = 500
@@ -135,3 +135,16 @@ def turn_get_for_owner(*, owner_id: int, turn_id: str) -> Turn:
 
 def staged_for_session(*, session_pk: str) -> list[StagedInput]:
     return list(StagedInput.objects.filter(session_id=session_pk, status=StagedInput.Status.STAGED))
+
+
+def external_write_allowed(*, user_id: int, session: Session) -> bool:
+    """Whether a write from the web or the API may go into a chat-app dialog: yes unless the
+    writer is the web user an operator linked the chat's account to read-only."""
+    chat = (
+        ChannelChat.objects.filter(channel=session.channel, chat_id=session.chat_id)
+        .select_related("account")
+        .first()
+    )
+    if chat is None or chat.account.user_id != user_id:
+        return True
+    return chat.account.writable

@@ -54,10 +54,11 @@ from .errors import (
     Overloaded,
     QueueFull,
     RateLimited,
+    ReadOnlyDialog,
     ShuttingDown,
     TooLarge,
 )
-from .ids import storable_text
+from .ids import FIRST_PARTY_CHANNELS, storable_text
 from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
@@ -273,6 +274,16 @@ class Engine:
         self._check_content(inbound.content)
         if len(inbound.client_msg_id) > 128:
             raise BadRequest(_("client_msg_id is too long (at most 128 characters)."))
+        external = session.channel not in FIRST_PARTY_CHANNELS
+        if (
+            external
+            and inbound.channel != session.channel
+            and not await sync_to_async(selectors.external_write_allowed)(
+                user_id=inbound.owner.pk, session=session
+            )
+        ):
+            # A chat-app dialog linked read-only to this web user.
+            raise ReadOnlyDialog()
         # A cache call, not the ORM: keep it off the single database thread.
         await sync_to_async(self._check_rate, thread_sensitive=False)(inbound.owner.pk)
         ack = await sync_to_async(self._admit)(inbound, session)
@@ -676,7 +687,11 @@ class Engine:
             sink = sink_for_channel(session.channel)
             if sink is not None:
                 # D4: an external platform's streaming message for this turn.
-                target = {"chat_id": session.chat_id, **dict(turn.source.get("context") or {})}
+                target = {
+                    "chat_id": session.chat_id,
+                    **dict(turn.source.get("context") or {}),
+                    "turn_id": turn_id,
+                }
                 local.delivery = await self.delivery.start(sink, target)
             runtime = RuntimeInfo(
                 channel=session.channel, dialog_id=session.dialog_id, title=session.title

@@ -40,6 +40,14 @@ class NotFound(ChatError):
     default_message = _("Not found.")
 
 
+class ReadOnlyDialog(ChatError):
+    """A chat-app dialog shown to a linked web user who may only read it."""
+
+    code = "read_only"
+    http_status = 403
+    default_message = _("This dialog is read-only for you.")
+
+
 class TooLarge(ChatError):
     code = "too_large"
     http_status = 413

@@ -1,0 +1,56 @@
+"""Inbound routes of the chat apps (PROTOCOL "Chat apps"). Thin (STYLE 1): check the
+platform's secret, parse, hand the update to its adapter. A refused request changes
+nothing; a platform that is not configured is not found."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from chatcore.engine import runtime
+
+from . import feishu, telegram
+
+logger = logging.getLogger(__name__)
+
+
+@csrf_exempt
+@require_POST
+async def telegram_webhook(request: HttpRequest) -> HttpResponse:
+    if not telegram.enabled():
+        return JsonResponse({"error": "telegram is not configured"}, status=404)
+    if not telegram.secret_ok(request.headers.get("X-Telegram-Bot-Api-Secret-Token")):
+        return JsonResponse({"error": "bad secret token"}, status=403)
+    try:
+        update = json.loads(request.body)
+    except ValueError:
+        return JsonResponse({"error": "the body is not JSON"}, status=400)
+    if not isinstance(update, dict):
+        return JsonResponse({"error": "an update is a JSON object"}, status=400)
+    engine = await runtime.get_engine()
+    adapter = await telegram.telegram_adapter(engine)
+    outcome = await adapter.handle_update(update)
+    return JsonResponse({"ok": True, "result": outcome})
+
+
+@csrf_exempt
+@require_POST
+async def feishu_events(request: HttpRequest) -> HttpResponse:
+    if not feishu.enabled():
+        return JsonResponse({"error": "feishu is not configured"}, status=404)
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    try:
+        event = feishu.open_callback(request.body, headers)
+    except feishu.CallbackRefused as exc:
+        logger.warning("feishu callback refused: %s", exc)
+        return JsonResponse({"error": str(exc)}, status=exc.status)
+    if event.get("type") == "url_verification":
+        return JsonResponse({"challenge": event.get("challenge", "")})
+    engine = await runtime.get_engine()
+    adapter = await feishu.feishu_adapter(engine)
+    outcome = await adapter.handle_event(event)
+    return JsonResponse({"ok": True, "result": outcome})

@@ -178,6 +178,9 @@ CHAT: dict[str, Any] = {
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
     "SNAPSHOT_FPS": _env_int("CHAT_SNAPSHOT_FPS", 20),
+    # F8: how often each process re-checks the logins of its open sockets and SSE streams
+    # (logout, revocation and deactivation also close them at once through the layer).
+    "LOGIN_CHECK_SECONDS": _env_int("CHAT_LOGIN_CHECK_SECONDS", 3),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
     "MAX_STEPS": _env_int("CHAT_MAX_STEPS", 8),

@@ -133,8 +133,13 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
     except ValueError:
         length = None
     if length is None and request.method not in SAFE_METHODS:
-        # A chunked body has no declared length; the server has already buffered it.
-        length = len(request.body)
+        # A chunked body has no declared length; the server has already buffered it. Django
+        # refuses to read one over DATA_UPLOAD_MAX_MEMORY_SIZE: that is a 413 too (F8), not
+        # Django's HTML 400.
+        try:
+            length = len(request.body)
+        except RequestDataTooBig:
+            return _error(413, "too_large", _("The request body is too large."))
     if length is not None and length > _body_limit():
         return _error(413, "too_large", _("The request body is too large."))
     return None

@@ -271,6 +271,10 @@ class LoginWatch:
 
     def discard(self, channel: str) -> None:
         self.entries.pop(channel, None)
+        if not self.entries and self.task is not None:
+            # Nothing left to watch: no task outlives the connections (F1).
+            self.task.cancel()
+            self.task = None
 
     async def _run(self) -> None:
         while self.entries:

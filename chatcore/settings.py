@@ -29,16 +29,43 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_list(name: str, default: str = "") -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
 DEBUG = _env_bool("DJANGO_DEBUG", False)
-# A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY.
-SECRET_KEY = os.environ.get(
-    "DJANGO_SECRET_KEY", "dev-insecure-key-set-DJANGO_SECRET_KEY-in-production"
-)
-ALLOWED_HOSTS = [
-    h.strip()
-    for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver").split(",")
-    if h.strip()
-]
+# A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY. `serve` refuses to
+# listen beyond loopback with this one (F8).
+DEV_SECRET_KEY = "dev-insecure-key-set-DJANGO_SECRET_KEY-in-production"  # noqa: S105
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "").strip() or DEV_SECRET_KEY
+ALLOWED_HOSTS = _env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver")
+# Origins (scheme://host[:port]) trusted besides the site's own: Django's CSRF check and the
+# cookie WebSocket's Origin check (F8) both use them, e.g. the public https:// origin of a
+# deployment behind a TLS proxy.
+CSRF_TRUSTED_ORIGINS = _env_list("DJANGO_CSRF_TRUSTED_ORIGINS")
+
+# --- Behind TLS (F8) ------------------------------------------------------------------------
+# Cookies only over https.
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = _env_bool("DJANGO_SECURE_COOKIES", False)
+# Strict-Transport-Security max-age; sent on https responses only (0 = off).
+SECURE_HSTS_SECONDS = _env_int("DJANGO_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+# A TLS-terminating proxy in front sets X-Forwarded-Proto; trust it only when it always does.
+if _env_bool("DJANGO_TRUST_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_CONTENT_TYPE_NOSNIFF = True
+# Pages run only this site's scripts (no inline script) and are never framed.
+CONTENT_SECURITY_POLICY = {
+    "default-src": "'self'",
+    "script-src": "'self'",
+    "style-src": "'self' 'unsafe-inline'",
+    "img-src": "'self' data:",
+    "connect-src": "'self'",
+    "object-src": "'none'",
+    "base-uri": "'self'",
+    "form-action": "'self'",
+    "frame-ancestors": "'none'",
+}
 
 INSTALLED_APPS = [
     "daphne",
@@ -55,6 +82,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "chatcore.security.ContentSecurityPolicyMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.locale.LocaleMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -178,6 +206,9 @@ CHAT: dict[str, Any] = {
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
     "SNAPSHOT_FPS": _env_int("CHAT_SNAPSHOT_FPS", 20),
+    # F8: how often each process re-checks the logins of its open sockets and SSE streams
+    # (logout, revocation and deactivation also close them at once through the layer).
+    "LOGIN_CHECK_SECONDS": _env_int("CHAT_LOGIN_CHECK_SECONDS", 3),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
     "MAX_STEPS": _env_int("CHAT_MAX_STEPS", 8),

@@ -55,8 +55,8 @@ from chatcore.engine.engine import Ack, Engine, Inbound
 from chatcore.engine.errors import ChatError, NotFound, ShuttingDown
 from chatcore.engine.ids import owner_chat_id
 
-from . import selectors, services
-from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
+from . import logins, selectors, services
+from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard, request_login
 from .models import Session
 from .schemas import (
     ID_PATTERN,
@@ -133,8 +133,13 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
     except ValueError:
         length = None
     if length is None and request.method not in SAFE_METHODS:
-        # A chunked body has no declared length; the server has already buffered it.
-        length = len(request.body)
+        # A chunked body has no declared length; the server has already buffered it. Django
+        # refuses to read one over DATA_UPLOAD_MAX_MEMORY_SIZE: that is a 413 too (F8), not
+        # Django's HTML 400.
+        try:
+            length = len(request.body)
+        except RequestDataTooBig:
+            return _error(413, "too_large", _("The request body is too large."))
     if length is not None and length > _body_limit():
         return _error(413, "too_large", _("The request body is too large."))
     return None
@@ -490,7 +495,9 @@ async def post_message(
         client_msg_id=payload.client_msg_id or "",
     )
     if _wants_stream(request):
-        return await _stream(session, engine, lambda: engine.submit(inbound, session))
+        return await _stream(
+            session, engine, lambda: engine.submit(inbound, session), request_login(request)
+        )
     return Status(202, _ack_body(await engine.submit(inbound, session)))
 
 
@@ -527,7 +534,7 @@ async def retry_session(
         return engine.retry(session, owner=user, client_msg_id=client_msg_id)
 
     if _wants_stream(request):
-        return await _stream(session, engine, start)
+        return await _stream(session, engine, start, request_login(request))
     return Status(202, _ack_body(await start()))
 
 
@@ -586,12 +593,16 @@ api.add_router("/", router)
 
 
 async def _stream(
-    session: Session, engine: Engine, start: Callable[[], Awaitable[Ack]]
+    session: Session,
+    engine: Engine,
+    start: Callable[[], Awaitable[Ack]],
+    login: logins.Login | None = None,
 ) -> HttpResponseBase:
     """Join the dialog's fan-out BEFORE the engine accepts the send, so no frame of its turn
     can pass unseen (D3), then stream that turn. A refusal answers as JSON, as without SSE.
     A steer or inject joins a turn that already runs: the stream then starts from the turn's
-    full snapshot, read after joining, so it misses nothing (D3)."""
+    full snapshot, read after joining, so it misses nothing (D3). The stream also joins its
+    login's groups: when the login ends it ends too (F8)."""
     layer = get_channel_layer()
     if layer is None:  # no channel layer configured: acknowledge without a stream
         return JsonResponse(_ack_body(await start()), status=202)
@@ -602,25 +613,31 @@ async def _stream(
     )
     for group in groups:
         await layer.group_add(group, channel)
+    if login is not None:
+        await logins.join(channel, login)
     try:
         ack = await start()
         joined = None
         if ack.turn_id is not None and ack.mode in ("steer", "inject"):
             joined = await sync_to_async(clientstate.active_turn)(session, engine)
     except BaseException:
-        await _leave(layer, channel, groups)
+        await _leave(layer, channel, groups, login)
         raise
     if joined is not None and joined["turn_id"] != ack.turn_id:
         joined = None
     response = StreamingHttpResponse(
-        _events(layer, channel, groups, session, ack, joined), content_type=EVENT_STREAM
+        _events(layer, channel, groups, session, ack, joined, login), content_type=EVENT_STREAM
     )
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # nginx: do not buffer the stream
     return response
 
 
-async def _leave(layer: BaseChannelLayer, channel: str, groups: tuple[str, ...]) -> None:
+async def _leave(
+    layer: BaseChannelLayer, channel: str, groups: tuple[str, ...], login: logins.Login | None
+) -> None:
+    if login is not None:
+        await logins.leave(channel, login)
     for group in groups:
         try:
             await layer.group_discard(group, channel)
@@ -662,6 +679,7 @@ async def _events(
     session: Session,
     ack: Ack,
     joined: dict[str, Any] | None,
+    login: logins.Login | None,
 ) -> AsyncIterator[str]:
     ids = itertools.count(1)
     inbox = _Inbox(layer, channel)
@@ -687,12 +705,12 @@ async def _events(
             yield event(frame) if frame else ": keepalive\n\n"
     finally:
         # The client may have left (the ASGI handler cancels us): the turn runs on (C3).
-        await asyncio.shield(_close(inbox, groups))
+        await asyncio.shield(_close(inbox, groups, login))
 
 
-async def _close(inbox: _Inbox, groups: tuple[str, ...]) -> None:
+async def _close(inbox: _Inbox, groups: tuple[str, ...], login: logins.Login | None) -> None:
     await inbox.close()
-    await _leave(inbox.layer, inbox.channel, groups)
+    await _leave(inbox.layer, inbox.channel, groups, login)
 
 
 async def _idle_inject_delta(inbox: _Inbox, ack: Ack) -> dict[str, Any] | None:
@@ -735,6 +753,14 @@ async def _turn_frames(
             give_up = loop.time() + SSE_TERMINAL_GRACE_SECONDS
             yield None
             continue
+        if message.get("type") == logins.LOGIN_ENDED:
+            # F8: the login ended; the turn runs on (C3), this stream does not.
+            yield {
+                "type": "error",
+                "code": "unauthorized",
+                "message": _("Your login ended: sign in again."),
+            }
+            return
         frame = message.get("frame")
         if not isinstance(frame, dict) or frame.get("session_id") != session_id:
             continue

@@ -23,7 +23,8 @@ from ninja.errors import HttpError
 from ninja.security import APIKeyCookie, HttpBearer
 from ninja.utils import check_csrf
 
-from .auth import bearer_from_header, user_for_token
+from .auth import bearer_from_header, token_for_raw, user_for_token
+from .logins import Login, login_for_session, login_for_token
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
@@ -46,7 +47,11 @@ class BearerTokenAuth(HttpBearer):
         return self.authenticate(request, raw)
 
     async def authenticate(self, request: HttpRequest, token: str) -> User | None:
-        return await sync_to_async(user_for_token)(token)
+        found = await sync_to_async(token_for_raw)(token)
+        if found is None:
+            return None
+        request.chat_login = login_for_token(found.user, found.pk)  # type: ignore[attr-defined]
+        return found.user
 
 
 class SessionCookieAuth(APIKeyCookie):
@@ -77,7 +82,13 @@ class SessionCookieAuth(APIKeyCookie):
             and check_csrf(request) is not None
         ):
             raise CsrfFailed()
+        request.chat_login = login_for_session(user, request.session)  # type: ignore[attr-defined]
         return user
+
+
+def request_login(request: HttpRequest) -> Login | None:
+    """F8: the login an authenticated API request rides on (its SSE stream ends with it)."""
+    return getattr(request, "chat_login", None)
 
 
 def api_auth() -> list[Any]:

@@ -16,6 +16,13 @@ def hash_token(raw: str) -> str:
 
 def user_for_token(raw: str | None) -> User | None:
     """The active user behind a live token, recording when it was last used."""
+    token = token_for_raw(raw)
+    return token.user if token is not None else None
+
+
+def token_for_raw(raw: str | None) -> ApiToken | None:
+    """The live token of an active user (its `user` loaded), recording when it was last
+    used."""
     if not raw:
         return None
     token = (
@@ -28,7 +35,7 @@ def user_for_token(raw: str | None) -> User | None:
     now = timezone.now()
     if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
-    return token.user
+    return token
 
 
 def bearer_from_header(value: str | None) -> str | None:

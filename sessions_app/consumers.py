@@ -37,11 +37,12 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, InternalError, TooLarge
+from chatcore.engine.errors import BadRequest, ChatError, InternalError
 from chatcore.engine.ids import owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
-from . import selectors
+from . import logins, selectors
+from .frames import parse_client_frame
 from .models import Session
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
     session_group: str = ""
     current: Session | None = None
     language: str = "en"
+    # F8: the credential this connection rides on; once it ends, nothing more is sent.
+    login: logins.Login | None = None
+    login_over = False
 
     # --- connection ------------------------------------------------------------------------
 
@@ -148,6 +152,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         self.engine = await runtime.get_engine()
         self.chat_id = owner_chat_id(user.pk)
         self.chat_group = publish.chat_group(CHANNEL, self.chat_id)
+        self.login = self.scope.get("login")
+        if self.login is not None:
+            # F8: before anything else, so an ending login is never missed.
+            await logins.join(self.channel_name, self.login)
         requested = parse_qs(self.scope.get("query_string", b"").decode("latin1")).get(
             "dialog_id", [None]
         )[0]
@@ -176,6 +184,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
         if self.user is None:
             return
+        if self.login is not None:
+            await logins.leave(self.channel_name, self.login)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
         for group in (self.chat_group, self.session_group):
@@ -206,6 +216,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # --- sending ---------------------------------------------------------------------------
 
     async def _send(self, frame: dict[str, Any]) -> None:
+        if self.login_over:
+            return
         await self.send(
             text_data=json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
         )
@@ -248,7 +260,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # --- client frames ---------------------------------------------------------------------
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        if self.user is None:
+        if self.user is None or self.login_over:
             return
         with translation.override(self.language):
             await self._handle(text_data, bytes_data)
@@ -274,21 +286,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     @staticmethod
     def _parse(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
-        """F3, F6: a JSON object within the frame limit."""
-        limit = settings.CHAT["FRAME_LIMIT_BYTES"]
-        if text_data is None:
-            if bytes_data is not None and len(bytes_data) > limit:
-                raise TooLarge(_("The frame is too large (at most %(n)d bytes).") % {"n": limit})
-            raise BadRequest(_("Frames must be JSON text."))
-        if len(text_data) > limit or len(text_data.encode("utf-8")) > limit:
-            raise TooLarge(_("The frame is too large (at most %(n)d bytes).") % {"n": limit})
-        try:
-            data = json.loads(text_data)
-        except ValueError as exc:
-            raise BadRequest(_("The frame is not valid JSON.")) from exc
-        if not isinstance(data, dict):
-            raise BadRequest(_("A frame must be a JSON object with a type."))
-        return data
+        return parse_client_frame(text_data, bytes_data)
 
     async def _target(self, data: dict[str, Any]) -> Session:
         """The dialog a frame is about: its `dialog_id` (one of this user's live dialogs of
@@ -441,6 +439,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
         else:
             # system_notification, and frames this version does not know: relayed as they are.
             await self._send(frame)
+
+    async def login_ended(self, message: dict[str, Any]) -> None:
+        """F8: the login ended (logout, token revoked, user deactivated), here or in another
+        process: close as an unauthenticated connection is closed."""
+        if self.login_over:
+            return
+        self.login_over = True
+        await self.close(code=logins.CLOSE_LOGIN_ENDED)
 
     async def _relay_snapshot(self, frame: dict[str, Any]) -> None:
         """D1, D3: snapshots of the current dialog only, each applying contiguously to what

@@ -497,7 +497,11 @@ def api_token_issue(*, user: User, name: str = "") -> tuple[ApiToken, str]:
 
 
 def api_token_revoke(*, token: ApiToken) -> None:
+    """F2, F8: the token stops working, and its open sockets and streams end (on commit)."""
+    from .logins import end_logins
+
     ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    end_logins(token_ids=[token.pk])
 
 
 def validate_dialog_id(value: object) -> str:

@@ -160,7 +160,9 @@ async def session_cookie(user: Any) -> bytes:
 async def test_session_cookie_with_an_allowed_origin(engine: Any, user: Any) -> None:
     # covers: F2, E1
     cookie = await session_cookie(user)
-    ws, connected = await open_ws([(b"cookie", cookie), (b"origin", b"http://testserver")])
+    ws, connected = await open_ws(
+        [(b"cookie", cookie), (b"host", b"testserver"), (b"origin", b"http://testserver")]
+    )
     assert connected
     sessions = await ws.next()
     assert sessions["type"] == "sessions"
@@ -183,6 +185,75 @@ async def test_session_cookie_without_an_allowed_origin_is_unauthenticated(
     await assert_closed_unauthenticated(ws)
 
 
+@pytest.mark.parametrize(
+    ("host", "origin", "extra", "settings_changes", "allowed"),
+    [
+        ("testserver", "http://testserver:80", [], {}, True),  # the default port, spelled out
+        ("testserver:8000", "http://testserver:8000", [], {}, True),
+        ("testserver:8000", "http://testserver:1", [], {}, False),  # another port
+        ("testserver:8000", "http://testserver", [], {}, False),
+        ("testserver", "https://testserver", [], {}, False),  # another scheme
+        ("testserver", "http://testserver/path", [], {}, False),
+        ("evil.example", "http://evil.example", [], {}, False),  # Host not in ALLOWED_HOSTS
+        (
+            "testserver",
+            "https://chat.example.com",
+            [],
+            {"CSRF_TRUSTED_ORIGINS": ["https://chat.example.com"]},
+            True,
+        ),
+        (
+            "testserver",
+            "https://chat.example.com:8443",
+            [],
+            {"CSRF_TRUSTED_ORIGINS": ["https://chat.example.com"]},
+            False,
+        ),
+        (
+            "testserver",
+            "https://a.example.com",
+            [],
+            {"CSRF_TRUSTED_ORIGINS": ["https://*.example.com"]},
+            True,
+        ),
+        # Behind a TLS proxy that Django trusts, the page's origin is https.
+        (
+            "testserver",
+            "https://testserver",
+            [(b"x-forwarded-proto", b"https")],
+            {"SECURE_PROXY_SSL_HEADER": ("HTTP_X_FORWARDED_PROTO", "https")},
+            True,
+        ),
+        # ...and an untrusted proxy header changes nothing.
+        ("testserver", "https://testserver", [(b"x-forwarded-proto", b"https")], {}, False),
+    ],
+)
+async def test_cookie_origin_matches_scheme_host_and_port(
+    engine: Any,
+    user: Any,
+    host: str,
+    origin: str,
+    extra: list[tuple[bytes, bytes]],
+    settings_changes: dict[str, Any],
+    allowed: bool,
+) -> None:
+    # covers: F8 (Origin: scheme, host and port), F2
+    headers = [
+        (b"cookie", await session_cookie(user)),
+        (b"host", host.encode()),
+        (b"origin", origin.encode()),
+        *extra,
+    ]
+    with override_settings(**settings_changes):
+        ws, connected = await open_ws(headers)
+        assert connected
+        if allowed:
+            assert (await ws.next())["type"] == "sessions"
+            await ws.close()
+        else:
+            await assert_closed_unauthenticated(ws)
+
+
 async def test_other_authorization_schemes_leave_the_cookie_path_alone(
     engine: Any, user: Any
 ) -> None:
@@ -190,6 +261,7 @@ async def test_other_authorization_schemes_leave_the_cookie_path_alone(
     headers = [
         (b"authorization", b"Basic dXNlcjpwdw=="),
         (b"cookie", await session_cookie(user)),
+        (b"host", b"testserver"),
         (b"origin", b"http://testserver"),
     ]
     ws, connected = await open_ws(headers)
@@ -221,6 +293,7 @@ async def test_revoked_or_unknown_token_is_unauthenticated(engine: Any, user: An
         [
             (b"authorization", b"Bearer nope"),
             (b"cookie", cookie),
+            (b"host", b"testserver"),
             (b"origin", b"http://testserver"),
         ]
     )

@@ -1740,6 +1740,18 @@
 
   // --- Wiring -------------------------------------------------------------------------------
 
+  // The dialog a link's fragment names, or null. A crafted link (`/#%`, which
+  // decodeURIComponent refuses) is ignored rather than breaking the page (F8).
+  function dialogFromHash(fragment) {
+    var text;
+    try {
+      text = decodeURIComponent(fragment.replace(/^#/, ""));
+    } catch (err) {
+      return null;
+    }
+    return /^[A-Za-z0-9_.-]{1,64}$/.test(text) ? text : null;
+  }
+
   function init() {
     var input = $("composer-input");
     $("composer").addEventListener("submit", function (event) {
@@ -1838,9 +1850,9 @@
       }
     }, 60000);
 
-    var hash = decodeURIComponent((location.hash || "").replace(/^#/, ""));
-    if (/^[A-Za-z0-9_.-]{1,64}$/.test(hash)) {
-      state.wantDialog = hash;
+    var wanted = dialogFromHash(location.hash || "");
+    if (wanted) {
+      state.wantDialog = wanted;
     }
     renderHeader();
     updateRunning();

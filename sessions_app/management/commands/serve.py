@@ -15,6 +15,7 @@ from __future__ import annotations
 # imports it even earlier, during django.setup().
 import daphne.server  # isort: skip
 import asyncio
+import ipaddress
 import logging
 import re
 from typing import Any
@@ -47,6 +48,16 @@ class _Server(daphne.server.Server):
         super().listen_success(port)
         host = port.getHost()
         self._on_listening(host.host, host.port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def _redact(url: str) -> str:
@@ -88,6 +99,14 @@ class Command(BaseCommand):
         port: int = options["port"] if options["port"] is not None else settings.PORT
         if not 0 <= port <= 65535:
             raise CommandError(f"Invalid port {port}.")
+        if not is_loopback(host) and settings.SECRET_KEY == settings.DEV_SECRET_KEY:
+            # F8: the built-in key is public; sessions signed with it could be forged.
+            raise CommandError(
+                f"Refusing to serve on {host}: DJANGO_SECRET_KEY is not set, and the built-in "
+                "development key must not be used beyond this machine. Set DJANGO_SECRET_KEY "
+                "to a long random value (for example: python -c 'import secrets; "
+                "print(secrets.token_urlsafe(50))'), or bind to 127.0.0.1."
+            )
 
         from chatcore.asgi import application
 

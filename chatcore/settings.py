@@ -29,6 +29,13 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip() or default
+    if raw not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {raw!r}")
+    return raw
+
+
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY.
 SECRET_KEY = os.environ.get(
@@ -207,6 +214,12 @@ LLM: dict[str, Any] = {
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
     "POOL_SIZE": 20,
+    # E5: cap on answer tokens per request (0 = what the window leaves after the input), and
+    # the request field that carries it (`max_completion_tokens` for OpenAI's newer models).
+    "MAX_TOKENS": _env_int("LLM_MAX_TOKENS", 0),
+    "MAX_TOKENS_PARAM": _env_choice(
+        "LLM_MAX_TOKENS_PARAM", ("max_tokens", "max_completion_tokens"), "max_tokens"
+    ),
 }
 
 LOGGING = {

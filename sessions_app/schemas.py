@@ -200,7 +200,13 @@ class TurnOut(Schema):
     session_id: str
     status: Literal["queued", "running", "completed", "cancelled", "failed"]
     mode: str
-    reason: str | None = Field(description="stopped, dropped or stale when cancelled.")
+    reason: str | None = Field(
+        description="stopped, dropped or stale when cancelled; truncated, filtered or empty "
+        "when completed with an answer that is not whole."
+    )
     error: TurnErrorOut | None
+    notice: TurnErrorOut | None = Field(
+        None, description="For truncated/filtered/empty: {kind, message} to show the user."
+    )
     client_msg_id: str | None
     messages: list[MessageOut] = Field(description="The turn's committed messages.")

@@ -58,7 +58,7 @@ ProviderEvent = TextDelta | Completion
 
 class ProviderError(Exception):
     """A typed provider failure. `kind` is one of: context_overflow, auth, rate_limited,
-    server, timeout, connection, bad_request, bad_response."""
+    server, timeout, connection, bad_request, bad_response, content_filter."""
 
     def __init__(self, kind: str, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
@@ -79,6 +79,7 @@ class ChatProvider(Protocol):
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
+        max_tokens: int | None = None,
     ) -> AsyncIterator[ProviderEvent]: ...
 
     async def aclose(self) -> None: ...
@@ -131,6 +132,89 @@ def classify_http_error(status: int, body: str) -> ProviderError:
     )
 
 
+# E5: error codes and types that OpenAI-compatible servers and gateways put in an SSE `error`
+# chunk, mapped to the HTTP status they stand for, so both paths classify alike.
+_STREAM_ERROR_CODES: dict[str, int] = {
+    "rate_limit_exceeded": 429,
+    "rate_limit_error": 429,
+    "ratelimiterror": 429,
+    "insufficient_quota": 429,
+    "too_many_requests": 429,
+    "invalid_api_key": 401,
+    "authentication_error": 401,
+    "authenticationerror": 401,
+    "permission_denied": 403,
+    "permission_error": 403,
+    "server_error": 500,
+    "internal_server_error": 500,
+    "internalservererror": 500,
+    "api_error": 500,
+    "apierror": 500,
+    "service_unavailable": 503,
+    "serviceunavailableerror": 503,
+    "overloaded_error": 503,
+    "overloaded": 503,
+    "timeout": 504,
+    "timeout_error": 504,
+    "invalid_request_error": 400,
+    "badrequesterror": 400,
+    "not_found_error": 404,
+}
+_CONTENT_FILTER = re.compile(r"content[_ ]?(filter|policy|management)", re.IGNORECASE)
+
+
+def classify_stream_error(chunk: dict[str, Any]) -> ProviderError:
+    """Map an SSE `error` chunk (an error after the HTTP 200) to a typed error by its own
+    code, like an HTTP error (E5). The chunk is logged scrubbed: it may echo credentials."""
+    logger.warning("model server sent an error mid-stream: %s", scrub(json.dumps(chunk)[:1000]))
+    err = chunk.get("error")
+    if not isinstance(err, dict):
+        err = {"message": str(err)}
+    keys = [str(err.get(k) or "") for k in ("code", "type", "status")]
+    if any(_CONTENT_FILTER.search(k) for k in keys):
+        return ProviderError("content_filter", "the model server's content filter stopped it")
+    status = 0
+    for key in keys:
+        if key.isdigit() and 400 <= int(key) <= 599:
+            status = int(key)
+            break
+        mapped = _STREAM_ERROR_CODES.get(key.lower().replace(".", "_").replace("-", "_"))
+        if mapped:
+            status = mapped
+            break
+    if status == 504:
+        return ProviderError("timeout", "the model server timed out", status=status)
+    # An error without a known code is the server failing mid-answer.
+    return classify_http_error(status or 500, json.dumps({"error": err}))
+
+
+ANSWER_TOKEN_MARGIN = 16
+MIN_ANSWER_TOKENS = 64
+
+
+def answer_token_limit(*, context_window: int, input_tokens: int, configured: int = 0) -> int:
+    """E5: the `max_tokens` of a turn request: what the window leaves after the input, capped
+    by the configured limit (0 = the window alone), never below a small floor so an input
+    near the window still gets a short answer (a cut one the user can see and continue)."""
+    room = context_window - input_tokens - ANSWER_TOKEN_MARGIN
+    limit = min(room, configured) if configured > 0 else room
+    return max(limit, MIN_ANSWER_TOKENS)
+
+
+def merge_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
+    """Add one response's usage into a running total, keeping nested details
+    (`completion_tokens_details`, `prompt_tokens_details.cached_tokens`)."""
+    for key, value in (usage or {}).items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            total[key] = total.get(key, 0) + value
+        elif isinstance(value, dict):
+            inner = total.get(key)
+            total[key] = merge_usage(inner if isinstance(inner, dict) else {}, value)
+    return total
+
+
 class OpenAIProvider:
     """`POST {base_url}/chat/completions` with `stream: true` (PROTOCOL "Environment")."""
 
@@ -148,8 +232,10 @@ class OpenAIProvider:
         max_retries: int = 3,
         retry_base_delay: float = 0.5,
         pool_size: int = 20,
+        max_tokens_param: str = "max_tokens",
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.max_tokens_param = max_tokens_param
         self.model = model
         self._api_key = api_key
         self.max_retries = max_retries
@@ -176,6 +262,7 @@ class OpenAIProvider:
             max_retries=cfg["MAX_RETRIES"],
             retry_base_delay=cfg["RETRY_BASE_DELAY"],
             pool_size=cfg["POOL_SIZE"],
+            max_tokens_param=cfg["MAX_TOKENS_PARAM"],
         )
 
     async def aclose(self) -> None:
@@ -193,6 +280,7 @@ class OpenAIProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
+        max_tokens: int | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         payload: dict[str, Any] = {
             "model": self.model,
@@ -202,6 +290,9 @@ class OpenAIProvider:
         }
         if tools:
             payload["tools"] = tools
+        if max_tokens:
+            # E5: a runaway answer ends with a `length` stop the user sees.
+            payload[self.max_tokens_param] = max_tokens
         attempt = 0
         while True:
             started = False
@@ -249,7 +340,7 @@ class OpenAIProvider:
                             "bad_response", "the model server sent malformed data"
                         ) from exc
                     if chunk.get("error"):
-                        raise classify_http_error(500, json.dumps(chunk))
+                        raise classify_stream_error(chunk)
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     for choice in chunk.get("choices") or []:
@@ -309,6 +400,7 @@ class DemoProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
+        max_tokens: int | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         users = [m for m in messages if m.get("role") == "user"]
         last_user = _strip_runtime(str(users[-1]["content"])) if users else ""

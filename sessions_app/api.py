@@ -322,6 +322,19 @@ def _ack_body(ack: Ack) -> dict[str, Any]:
 # --- Dialogs -------------------------------------------------------------------------------
 
 
+def _session_links(*operations: str) -> dict[str, Any]:
+    """OpenAPI links from a response carrying `session_id` to operations on that dialog."""
+    return {
+        "links": {
+            operation: {
+                "operationId": f"sessions_app_api_{operation}",
+                "parameters": {"session_id": "$response.body#/session_id"},
+            }
+            for operation in operations
+        }
+    }
+
+
 @router.get(
     "/sessions",
     response={200: SessionListOut, **ERRORS},
@@ -355,6 +368,8 @@ async def list_sessions(
     "channel `api`, chat `u{user id}`, a new random dialog id). A chat id that is not the "
     "caller's answers 404; an id of a live dialog answers 409 `conflict`.",
     exclude_unset=True,
+    # Stateful clients and fuzzers follow these links from the created dialog (E3).
+    openapi_extra={"responses": {201: _session_links("retry_session", "continue_session")}},
 )
 async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Status[Any]:
     user = _user(request)
@@ -473,7 +488,9 @@ _STREAM_DOC = {
     summary="Send, steer or inject a message",
     description="202 with the acknowledgement (`queued`); poll `GET /turns/{turn_id}` for the "
     "outcome, or ask for `Accept: text/event-stream` to stream the turn.",
-    openapi_extra=_STREAM_DOC,
+    openapi_extra={
+        "responses": {**_STREAM_DOC["responses"], 202: _session_links("continue_session")}
+    },
 )
 async def post_message(
     request: HttpRequest, session_id: str, payload: MessageIn

@@ -195,6 +195,32 @@ async def test_a_cut_continuation_can_be_continued_again(make_engine, fake_model
         await engine.continue_answer(session, owner=user)
 
 
+async def test_a_failed_continuation_is_retried_as_a_continuation(
+    make_engine, fake_model, recorder, user
+):
+    # covers: E5, C6
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="Once upon a", finish_reason="length"))
+    first = await send(engine, session, "story")
+    await finish(rec, first.turn_id)
+    cut = answers(await history(session))[-1]
+    fake_model.script(*[Reply(status=500)] * 4)  # the first try and its three retries
+    failed = await engine.continue_answer(session, owner=user)
+    assert (await finish(rec, failed.turn_id))["status"] == "failed"
+    fake_model.script(Reply(text=" time."))
+    again = await engine.retry(session, owner=user)
+    await finish(rec, again.turn_id)
+    assert model_view(fake_model.requests[-1])[-2:] == [
+        ("assistant", "Once upon a"),
+        ("user", CONTINUE_INSTRUCTION),
+    ]
+    rows = answers(await history(session))
+    assert [m.content for m in rows] == ["Once upon a", " time."]
+    assert rows[-1].source["continues"] == str(cut.pk)
+
+
 async def test_nothing_to_continue_after_a_whole_answer(make_engine, fake_model, recorder, user):
     # covers: E5
     engine = await make_engine()

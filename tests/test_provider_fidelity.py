@@ -431,8 +431,78 @@ async def test_max_tokens_is_what_the_window_leaves_after_the_input(
     await finish(rec, ack.turn_id)
     body = fake_model.turn_requests()[0].body
     window = settings.LLM["CONTEXT_WINDOW"]
-    assert body["max_tokens"] == window - estimate_tokens(body["messages"]) - ANSWER_TOKEN_MARGIN
+    estimate = estimate_tokens(body["messages"])
+    assert body["max_tokens"] == window - estimate - max(ANSWER_TOKEN_MARGIN, estimate // 4)
     assert "max_completion_tokens" not in body
+
+
+@pytest.mark.parametrize(
+    ("message", "first", "then"),
+    [
+        # OpenAI: the model's output ceiling, learnt and kept for later requests.
+        (
+            "max_tokens is too large: 32000. This model supports at most 1000 completion "
+            "tokens, whereas you provided 32000.",
+            "max_tokens",
+            ("max_tokens", 1000),
+        ),
+        # OpenAI reasoning models want the other field.
+        (
+            "Unsupported parameter: 'max_tokens' is not supported with this model. "
+            "Use 'max_completion_tokens' instead.",
+            "max_tokens",
+            ("max_completion_tokens", None),
+        ),
+        # A server that takes no limit field at all.
+        ("Unrecognized request argument supplied: max_tokens", "max_tokens", (None, None)),
+    ],
+)
+async def test_a_refused_answer_limit_is_adjusted_once_and_remembered(
+    make_engine, fake_model, recorder, user, message, first, then
+):
+    # covers: E5
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(status=400, error={"error": {"message": message, "code": None}}))
+    ack = await send(engine, session, "hi")
+    assert (await finish(rec, ack.turn_id))["status"] == "completed"
+    nxt = await send(engine, session, "again")
+    assert (await finish(rec, nxt.turn_id))["status"] == "completed"
+    bodies = [r.body for r in fake_model.turn_requests()]
+    assert len(bodies) == 3  # one refused request, then one per turn
+    assert first in bodies[0]
+    param, value = then
+    for body in bodies[1:]:
+        sent = {k: v for k, v in body.items() if k in ("max_tokens", "max_completion_tokens")}
+        if param is None:
+            assert sent == {}
+        else:
+            assert list(sent) == [param]
+            if value is not None:
+                assert sent[param] == value
+
+
+async def test_a_limit_that_does_not_fit_the_window_is_fitted(
+    make_engine, fake_model, recorder, user
+):
+    # covers: E5, C7
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    vllm = (
+        "This model's maximum context length is 4096 tokens. However, you requested 5000 "
+        "tokens (1200 in the messages, 3800 in the completion). Please reduce the length of "
+        "the messages or completion."
+    )
+    fake_model.script(Reply(status=400, error={"object": "error", "message": vllm, "code": 400}))
+    ack = await send(engine, session, "hi")
+    assert (await finish(rec, ack.turn_id))["status"] == "completed"
+    bodies = [r.body for r in fake_model.turn_requests()]
+    assert len(bodies) == 2
+    assert bodies[1]["max_tokens"] == 4096 - 1200 - ANSWER_TOKEN_MARGIN
+    # Not a history overflow: nothing was rebuilt or compacted for it.
+    assert len(bodies[1]["messages"]) == len(bodies[0]["messages"])
 
 
 async def test_max_tokens_setting_caps_it_under_the_configured_field(

@@ -196,9 +196,53 @@ def answer_token_limit(*, context_window: int, input_tokens: int, configured: in
     """E5: the `max_tokens` of a turn request: what the window leaves after the input, capped
     by the configured limit (0 = the window alone), never below a small floor so an input
     near the window still gets a short answer (a cut one the user can see and continue)."""
-    room = context_window - input_tokens - ANSWER_TOKEN_MARGIN
+    # The input is an estimate: keep a quarter of it spare, so an undercount does not make
+    # input + limit exceed the window (servers such as vLLM refuse that).
+    room = context_window - input_tokens - max(ANSWER_TOKEN_MARGIN, input_tokens // 4)
     limit = min(room, configured) if configured > 0 else room
     return max(limit, MIN_ANSWER_TOKENS)
+
+
+_LIMIT_PARAMS = ("max_tokens", "max_completion_tokens")
+_AT_MOST = re.compile(r"at most (\d+)(?: completion| output)? tokens", re.IGNORECASE)
+# vLLM-style: "maximum context length is 4096 tokens. However, you requested 5000 tokens (1000
+# in the messages, 4000 in the completion)": the input fits, the limit does not.
+_WINDOW_SPLIT = re.compile(
+    r"maximum context length is (\d+) tokens.*?(\d+) in the messages, (\d+) in the completion",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+class AnswerLimitRejected(ProviderError):
+    """E5: the server refused the answer token limit itself (too large for the model, or the
+    other field name wanted); the provider adjusts it once and sends the request again."""
+
+    def __init__(self, body: str, *, status: int, fits: int = 0) -> None:
+        super().__init__(
+            "bad_request", "the model server rejected the answer token limit", status=status
+        )
+        # For this request only: the limit that fits the window beside this input.
+        self.fits = fits
+        found = _AT_MOST.search(body)
+        self.ceiling = int(found.group(1)) if found else 0
+        self.wants = next(
+            (p for p in _LIMIT_PARAMS if f"use '{p}'" in body.lower() or f'use "{p}"' in body),
+            "",
+        )
+
+
+def limit_rejection(status: int, body: str, param: str) -> AnswerLimitRejected | None:
+    """E5: whether a 400 refuses the answer token limit rather than the input."""
+    if status != 400 or not param:
+        return None
+    split = _WINDOW_SPLIT.search(body)
+    if split:
+        fits = int(split.group(1)) - int(split.group(2)) - ANSWER_TOKEN_MARGIN
+        # A window too small for the input alone is a real overflow (C7).
+        return AnswerLimitRejected(body, status=status, fits=fits) if fits > 0 else None
+    if param in body and not _OVERFLOW.search(body):
+        return AnswerLimitRejected(body, status=status)
+    return None
 
 
 def merge_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -236,6 +280,9 @@ class OpenAIProvider:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_tokens_param = max_tokens_param
+        # E5: what the server taught us about the answer token limit (its largest value; 0 =
+        # the server accepts no limit field at all).
+        self._limit_ceiling: int | None = None
         self.model = model
         self._api_key = api_key
         self.max_retries = max_retries
@@ -292,8 +339,9 @@ class OpenAIProvider:
             payload["tools"] = tools
         if max_tokens:
             # E5: a runaway answer ends with a `length` stop the user sees.
-            payload[self.max_tokens_param] = max_tokens
+            self._set_limit(payload, max_tokens)
         attempt = 0
+        adjusted = False
         while True:
             started = False
             try:
@@ -301,6 +349,11 @@ class OpenAIProvider:
                     started = True
                     yield event
                 return
+            except AnswerLimitRejected as exc:
+                if adjusted:
+                    raise
+                adjusted = True
+                self._learn_limit(payload, exc)
             except ProviderError as exc:
                 # E5: retry 429/5xx and transport errors, but only before the first token.
                 if started or not exc.retryable or attempt >= self.max_retries:
@@ -311,6 +364,37 @@ class OpenAIProvider:
                     "model request failed (%s), retry %d in %.2fs", exc.kind, attempt, delay
                 )
                 await asyncio.sleep(delay)
+
+    def _set_limit(self, payload: dict[str, Any], max_tokens: int) -> None:
+        for name in _LIMIT_PARAMS:
+            payload.pop(name, None)
+        if self._limit_ceiling == 0:
+            return
+        if self._limit_ceiling:
+            max_tokens = min(max_tokens, self._limit_ceiling)
+        payload[self.max_tokens_param] = max_tokens
+
+    def _learn_limit(self, payload: dict[str, Any], exc: AnswerLimitRejected) -> None:
+        """Adjust the limit the server refused and remember it for later requests."""
+        sent = int(payload.get(self.max_tokens_param) or 0)
+        if exc.fits:
+            payload[self.max_tokens_param] = min(sent, exc.fits) if sent else exc.fits
+            logger.warning("the answer token limit did not fit the window; sent %d", exc.fits)
+            return
+        if exc.wants and exc.wants != self.max_tokens_param:
+            self.max_tokens_param = exc.wants
+        elif exc.ceiling and exc.ceiling < sent:
+            self._limit_ceiling = exc.ceiling
+        else:
+            self._limit_ceiling = 0
+        logger.warning(
+            "the model server refused the answer token limit; sending %s instead "
+            "(set LLM_MAX_TOKENS / LLM_MAX_TOKENS_PARAM to match the model)",
+            f"{self.max_tokens_param}={self._limit_ceiling or sent}"
+            if self._limit_ceiling != 0
+            else "no limit",
+        )
+        self._set_limit(payload, sent)
 
     async def _stream_once(self, payload: dict[str, Any]) -> AsyncIterator[ProviderEvent]:
         url = f"{self.base_url}/chat/completions"
@@ -325,6 +409,10 @@ class OpenAIProvider:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     logger.warning("model server HTTP %s: %s", resp.status_code, scrub(body[:500]))
+                    param = next((p for p in _LIMIT_PARAMS if p in payload), "")
+                    rejected = limit_rejection(resp.status_code, body, param)
+                    if rejected is not None:
+                        raise rejected
                     raise classify_http_error(resp.status_code, body)
                 # Read the stream to its end, also past [DONE] (STYLE 6).
                 async for line in resp.aiter_lines():

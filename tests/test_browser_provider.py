@@ -8,6 +8,7 @@ Servers and the browser are set up as in test_browser.py, whose fixtures are use
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 from playwright.sync_api import expect
@@ -57,8 +58,15 @@ def test_a_truncated_answer_looks_cut_and_continue_appends_to_it(
     expect(button).to_have_text("Continue")
     _screenshot(tab.page, "chat-truncated-answer.png")
 
-    model.script(Reply(text=REST, chunk=3, delay=0.02))
+    gate = threading.Event()
+    model.script(Reply(text=REST, chunk=3, gate=gate))
     button.click()
+
+    # The rest streams in right under the cut answer, whose marker and button step aside.
+    live = tab.page.locator("#live .msg-streaming.is-continuation")
+    expect(live.locator(".md")).to_contain_text("the rest of it")
+    expect(answer.locator(".msg-cut-marker")).to_be_hidden()
+    gate.set()
 
     _expect_joined(tab)
     expect(tab.page.locator("#messages .turn-notice")).to_have_count(0)

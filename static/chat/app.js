@@ -330,6 +330,7 @@
     loadedOnce: false,
     menuFor: null,
     answers: Object.create(null), // message id -> {node, text} of a shown answer (continuations join it)
+    continuing: Object.create(null), // turn_id -> true for a `continue` this page asked for
   };
 
   // --- Socket -------------------------------------------------------------------------------
@@ -608,6 +609,9 @@
       state.inflight[frame.turn_id] = true;
       clearTurnNote();
     }
+    if (frame.mode === "continue" && frame.turn_id) {
+      state.continuing[frame.turn_id] = true;
+    }
     if (pending) {
       if (!frame.turn_id) {
         // An idle inject is no turn: its message arrives as a delta.
@@ -741,6 +745,10 @@
       return;
     }
     delete state.inflight[frame.turn_id];
+    delete state.continuing[frame.turn_id];
+    document.querySelectorAll("#messages .is-continuing").forEach(function (node) {
+      node.classList.remove("is-continuing");
+    });
     history.endTurn(frame.turn_id);
     if (state.streaming && state.streaming.turnId === frame.turn_id) {
       removeStreaming();
@@ -894,7 +902,7 @@
       return true;
     });
     queue.forEach(function (q, index) {
-      if (q.mode === "retry" || q.mode === "inject") {
+      if (q.mode === "retry" || q.mode === "continue" || q.mode === "inject") {
         state.inflight[q.turn_id] = true;
         return;
       }
@@ -1268,6 +1276,14 @@
       var body = el("div", "md");
       node.appendChild(toolsBox);
       node.appendChild(body);
+      if (state.continuing[turnId]) {
+        // E5: the rest of a cut answer streams in right under it, as its continuation.
+        node.classList.add("is-continuation");
+        var cut = $("messages").querySelectorAll(".msg-cut");
+        if (cut.length) {
+          cut[cut.length - 1].classList.add("is-continuing");
+        }
+      }
       $("live").appendChild(node);
       s = state.streaming = { turnId: turnId, el: node, body: body, toolsBox: toolsBox };
       announce(t("streaming"));

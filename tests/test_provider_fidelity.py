@@ -595,3 +595,31 @@ async def test_ws_continue_frame(engine, fake_model, user):
     finally:
         assert isinstance(ws, WS)
         await ws.close()
+
+
+async def test_rest_continue_streams_like_a_send(engine, fake_model, user):
+    # covers: E5, E3, D1
+    import asyncio
+
+    from tests.test_api import BASE, bearer_api, read_stream
+
+    await sync_to_async(cache.clear)()
+    api = await bearer_api(user)
+    sid = (await api.create())["session_id"]
+    fake_model.script(Reply(text="Count: one, two", finish_reason="length"))
+    await api.turn_done((await api.send(sid, "count"))["turn_id"])
+    fake_model.script(Reply(text=", three.", chunk=2, delay=0.01))
+    response = await api.client.post(
+        f"{BASE}/sessions/{sid}/continue",
+        {"client_msg_id": "k-2"},
+        content_type="application/json",
+        headers={**api.headers, "Accept": "text/event-stream"},
+    )
+    assert response.status_code == 200
+    events = await asyncio.wait_for(read_stream(response), 20)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "queued" and events[0]["mode"] == "continue"
+    assert kinds[-2:] == ["history_delta", "turn_updated"]
+    assert "turn_snapshot" in kinds
+    assert events[-2]["messages"][-1]["content"] == ", three."
+    assert events[-1]["status"] == "completed"

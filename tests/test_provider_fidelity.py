@@ -264,6 +264,28 @@ async def test_tool_call_messages_carry_null_content_and_empty_answers_are_not_s
     assert next(m for m in replay if m.get("tool_calls"))["content"] is None
 
 
+async def test_a_stop_after_only_whitespace_stores_no_partial(
+    make_engine, fake_model, recorder, user
+):
+    # covers: E5, C6
+    import threading
+
+    from chatcore.engine import publish
+
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+    gate = threading.Event()
+    fake_model.script(Reply(text="\n\n", gate=gate))
+    ack = await send(engine, session, "hm")
+    await rec.until(lambda f: f["type"] == "turn_snapshot" and f["text"] == "\n\n")
+    await engine.stop(session)
+    done = await finish(rec, ack.turn_id)
+    gate.set()
+    assert done["status"] == "cancelled"
+    assert answers(await history(session)) == []
+
+
 async def test_empty_assistant_text_stored_earlier_is_never_replayed(
     make_engine, fake_model, recorder, user
 ):

@@ -100,7 +100,7 @@ def commit_outcome(
     elif isinstance(outcome, Cancelled):
         status, reason, error = TurnStatus.CANCELLED, outcome.reason, None
         extra_fields = {}
-        if outcome.partial:
+        if outcome.partial.strip():  # E5: never an empty assistant text
             messages.append(
                 PendingMessage(
                     role=Role.ASSISTANT,
@@ -117,7 +117,7 @@ def commit_outcome(
             "message": present_failure(outcome.kind, outcome.provider_kind),
         }
         extra_fields = {"error_kind": str(outcome.kind), "error_message": error["message"]}
-        if outcome.partial:
+        if outcome.partial.strip():  # E5: never an empty assistant text
             messages.append(
                 PendingMessage(
                     role=Role.ASSISTANT,

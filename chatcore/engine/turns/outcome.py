@@ -115,10 +115,7 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
 def present_notice(kind: str) -> str:
     """The user-visible words for a completed turn whose answer was cut or withheld (E5)."""
     words: dict[str, str] = {
-        Notice.TRUNCATED: _(
-            "The answer was cut off because it reached the length limit. "
-            "Press Continue to get the rest."
-        ),
+        Notice.TRUNCATED: _("The answer was cut off because it reached the length limit."),
         Notice.FILTERED: _("The model's content filter stopped the answer."),
         Notice.EMPTY: _("The model returned an empty answer."),
     }

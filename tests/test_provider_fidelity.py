@@ -527,6 +527,26 @@ async def test_a_limit_that_does_not_fit_the_window_is_fitted(
     assert len(bodies[1]["messages"]) == len(bodies[0]["messages"])
 
 
+async def test_a_limit_refused_again_after_fitting_is_an_overflow_recovered_once(
+    make_engine, fake_model, recorder, user
+):
+    # covers: E5, C7
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    vllm = (
+        "This model's maximum context length is 4096 tokens. However, you requested 5000 "
+        "tokens (1200 in the messages, 3800 in the completion)."
+    )
+    refused = Reply(status=400, error={"object": "error", "message": vllm, "code": 400})
+    fake_model.script(refused, refused, Reply(text="fits now"))
+    ack = await send(engine, session, "hi")
+    done = await finish(rec, ack.turn_id)
+    assert done["status"] == "completed"
+    assert len(fake_model.turn_requests()) == 3
+    assert answers(await history(session))[-1].content == "fits now"
+
+
 async def test_max_tokens_setting_caps_it_under_the_configured_field(
     make_engine, fake_model, recorder, user
 ):

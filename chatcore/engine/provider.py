@@ -140,6 +140,7 @@ _STREAM_ERROR_CODES: dict[str, int] = {
     "ratelimiterror": 429,
     "insufficient_quota": 429,
     "too_many_requests": 429,
+    "throttling_error": 429,
     "invalid_api_key": 401,
     "authentication_error": 401,
     "authenticationerror": 401,
@@ -223,6 +224,8 @@ class AnswerLimitRejected(ProviderError):
         )
         # For this request only: the limit that fits the window beside this input.
         self.fits = fits
+        # What the error is when adjusting the limit did not help.
+        self.plain = classify_http_error(status, body)
         found = _AT_MOST.search(body)
         self.ceiling = int(found.group(1)) if found else 0
         self.wants = next(
@@ -351,7 +354,7 @@ class OpenAIProvider:
                 return
             except AnswerLimitRejected as exc:
                 if adjusted:
-                    raise
+                    raise exc.plain from exc
                 adjusted = True
                 self._learn_limit(payload, exc)
             except ProviderError as exc:

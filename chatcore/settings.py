@@ -33,6 +33,13 @@ def _env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip() or default
+    if raw not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {raw!r}")
+    return raw
+
+
 DEBUG = _env_bool("DJANGO_DEBUG", False)
 # A dev-safe key for embedded mode; deployments set DJANGO_SECRET_KEY. `serve` refuses to
 # listen beyond loopback with this one (F8).
@@ -262,6 +269,12 @@ LLM: dict[str, Any] = {
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
     "POOL_SIZE": 20,
+    # E5: cap on answer tokens per request (0 = what the window leaves after the input), and
+    # the request field that carries it (`max_completion_tokens` for OpenAI's newer models).
+    "MAX_TOKENS": _env_int("LLM_MAX_TOKENS", 0),
+    "MAX_TOKENS_PARAM": _env_choice(
+        "LLM_MAX_TOKENS_PARAM", ("max_tokens", "max_completion_tokens"), "max_tokens"
+    ),
 }
 
 LOGGING = {

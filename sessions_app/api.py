@@ -6,14 +6,15 @@ another user's dialog or turn is simply not found (404, never 403; F2). Domain e
 (`ChatError`) become `{"code", "message"}` with their HTTP status in one handler; so do
 ninja's validation, authentication and 404 errors, and whatever else fails.
 
-Status codes: 201 created; 202 accepted (a send, retry or compaction runs on); 204 deleted;
+Status codes: 201 created; 202 accepted (a send, retry, continue or compaction runs on); 204
+deleted;
 400 unparsable JSON; 401 no or bad credentials; 403 CSRF failure of a browser session; 404
 unknown or another user's dialog/turn, or a first-party chat id that is not the caller's;
 409 a live dialog already has that id (`conflict`), the queue is full (`queue_full`) or there
-is nothing to retry; 413 content or body too large; 422 invalid input; 429 rate limited (with
-Retry-After); 503 overloaded, shutting down or storage failing.
+is nothing to retry or continue; 413 content or body too large; 422 invalid input; 429 rate
+limited (with Retry-After); 503 overloaded, shutting down or storage failing.
 
-With `Accept: text/event-stream`, POST .../messages (and .../retry) answers 200 with a
+With `Accept: text/event-stream`, POST .../messages (and .../retry, .../continue) answers 200 with a
 Server-Sent Events stream of the WebSocket's frames (`event:` = frame type, `id:` = an
 increasing integer, `data:` = the frame as JSON): `queued`, then that dialog's
 `history_delta`s, that turn's `turn_snapshot`s and its `turn_updated`, where the stream ends.
@@ -326,6 +327,19 @@ def _ack_body(ack: Ack) -> dict[str, Any]:
 # --- Dialogs -------------------------------------------------------------------------------
 
 
+def _session_links(*operations: str) -> dict[str, Any]:
+    """OpenAPI links from a response carrying `session_id` to operations on that dialog."""
+    return {
+        "links": {
+            operation: {
+                "operationId": f"sessions_app_api_{operation}",
+                "parameters": {"session_id": "$response.body#/session_id"},
+            }
+            for operation in operations
+        }
+    }
+
+
 @router.get(
     "/sessions",
     response={200: SessionListOut, **ERRORS},
@@ -359,6 +373,8 @@ async def list_sessions(
     "channel `api`, chat `u{user id}`, a new random dialog id). A chat id that is not the "
     "caller's answers 404; an id of a live dialog answers 409 `conflict`.",
     exclude_unset=True,
+    # Stateful clients and fuzzers follow these links from the created dialog (E3).
+    openapi_extra={"responses": {201: _session_links("retry_session", "continue_session")}},
 )
 async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Status[Any]:
     user = _user(request)
@@ -477,7 +493,9 @@ _STREAM_DOC = {
     summary="Send, steer or inject a message",
     description="202 with the acknowledgement (`queued`); poll `GET /turns/{turn_id}` for the "
     "outcome, or ask for `Accept: text/event-stream` to stream the turn.",
-    openapi_extra=_STREAM_DOC,
+    openapi_extra={
+        "responses": {**_STREAM_DOC["responses"], 202: _session_links("continue_session")}
+    },
 )
 async def post_message(
     request: HttpRequest, session_id: str, payload: MessageIn
@@ -535,6 +553,31 @@ async def retry_session(
 
     if _wants_stream(request):
         return await _stream(session, engine, start, request_login(request))
+    return Status(202, _ack_body(await start()))
+
+
+@router.post(
+    "/sessions/{session_id}/continue",
+    response={202: AckOut, **SEND_ERRORS},
+    summary="Continue the last answer when the model cut it at its length limit (E5)",
+    description="A new turn (mode `continue`) whose answer is stored as a message linked to "
+    "the cut one by `source.continues`. 409 when the last answer was not cut (`truncated`). "
+    "Streams like POST messages with `Accept: text/event-stream`.",
+    openapi_extra=_STREAM_DOC,
+)
+async def continue_session(
+    request: HttpRequest, session_id: str, payload: RetryIn | None = None
+) -> Status[Any] | HttpResponseBase:
+    user = _user(request)
+    session = await sync_to_async(_owned)(user, session_id)
+    engine = await runtime.get_engine()
+    client_msg_id = (payload.client_msg_id if payload else None) or ""
+
+    def start() -> Awaitable[Ack]:
+        return engine.continue_answer(session, owner=user, client_msg_id=client_msg_id)
+
+    if _wants_stream(request):
+        return await _stream(session, engine, start)
     return Status(202, _ack_body(await start()))
 
 

@@ -378,6 +378,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
         ack = await self.engine.retry(target, owner=self.user, client_msg_id=client_msg_id or "")
         await self._send(ack.frame())
 
+    async def _on_continue(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # E5: go on with a cut answer; answered by `queued` (mode `continue`) or `error`.
+        assert self.user is not None
+        target = await self._target(data)
+        ack = await self.engine.continue_answer(
+            target, owner=self.user, client_msg_id=client_msg_id or ""
+        )
+        await self._send(ack.frame())
+
     async def _on_history(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         before_seq = _optional_int(data, "before_seq", low=1, high=None)
         limit = _optional_int(data, "limit", low=1, high=selectors.HISTORY_PAGE_MAX)
@@ -395,6 +404,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         "inject": _on_inject,
         "stop": _on_stop,
         "retry": _on_retry,
+        "continue": _on_continue,
         "history": _on_history,
         "sessions": _on_sessions,
     }

@@ -111,6 +111,9 @@ class MessageStatus(models.TextChoices):
     COMPLETE = "", "complete"
     CANCELLED = "cancelled", "cancelled"
     INTERRUPTED = "interrupted", "interrupted"
+    # E5: the model stopped at its token limit (`length`) or its content filter.
+    TRUNCATED = "truncated", "truncated"
+    FILTERED = "filtered", "filtered"
 
 
 class Message(models.Model):
@@ -151,6 +154,8 @@ class Message(models.Model):
 class TurnMode(models.TextChoices):
     SEND = "send", "send"
     RETRY = "retry", "retry"
+    # E5: go on with a cut (`truncated`) answer; the cut message's id is in `source`.
+    CONTINUE = "continue", "continue"
 
 
 class TurnStatus(models.TextChoices):

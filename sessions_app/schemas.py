@@ -155,8 +155,17 @@ class MessageOut(Schema):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     tool_name: str | None = None
-    status: str | None = None
-    source: dict[str, Any] | None = None
+    status: str | None = Field(
+        None,
+        description="Absent for a whole message; `cancelled`, `interrupted`, or `truncated` "
+        "(cut at the model's length limit; `continue` goes on with it) or `filtered` (stopped "
+        "by the content filter).",
+    )
+    source: dict[str, Any] | None = Field(
+        None,
+        description="Where the message came from (`kind`, ...); `continues` = the id of the "
+        "cut answer a continuation goes on with.",
+    )
     turn_id: str | None = None
 
 
@@ -200,7 +209,13 @@ class TurnOut(Schema):
     session_id: str
     status: Literal["queued", "running", "completed", "cancelled", "failed"]
     mode: str
-    reason: str | None = Field(description="stopped, dropped or stale when cancelled.")
+    reason: str | None = Field(
+        description="stopped, dropped or stale when cancelled; truncated, filtered or empty "
+        "when completed with an answer that is not whole."
+    )
     error: TurnErrorOut | None
+    notice: TurnErrorOut | None = Field(
+        None, description="For truncated/filtered/empty: {kind, message} to show the user."
+    )
     client_msg_id: str | None
     messages: list[MessageOut] = Field(description="The turn's committed messages.")

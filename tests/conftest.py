@@ -24,6 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "redis: needs Redis (TEST_REDIS_URL)",
         "browser: drives a real headless Chromium",
         "slow: starts subprocesses or servers",
+        "litellm: compatibility suite against the LiteLLM proxy (skip with -m 'not litellm')",
     ):
         config.addinivalue_line("markers", marker)
 

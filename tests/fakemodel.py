@@ -29,7 +29,12 @@ class Reply:
     endless: bool = False
     # Wait for this event (set from the test) before finishing the stream.
     gate: threading.Event | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
+    # The finish reason of the last chunk (default: tool_calls when there are calls, else
+    # stop), e.g. "length" or "content_filter".
+    finish_reason: str | None = None
+    # An SSE `error` chunk sent after the text (a failure after the HTTP 200).
+    stream_error: dict[str, Any] | None = None
 
 
 def strip_runtime(text: str) -> str:
@@ -234,7 +239,13 @@ class FakeModelServer:
                     await send_event(
                         chunk({"tool_calls": [{"index": index, "function": {"arguments": part}}]})
                     )
-            finish = "tool_calls" if reply.tool_calls else "stop"
+            if reply.stream_error is not None:
+                await send_event(json.dumps({"error": reply.stream_error}))
+                await send_event("[DONE]")
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                return True
+            finish = reply.finish_reason or ("tool_calls" if reply.tool_calls else "stop")
             await send_event(chunk({}, finish))
             usage = reply.usage or {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15}
             await send_event(json.dumps({"id": "x", "choices": [], "usage": usage}))

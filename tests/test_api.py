@@ -164,6 +164,7 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/sessions/{session_id}/stop": {"post"},
         "/api/v1/sessions/{session_id}/compact": {"post"},
         "/api/v1/sessions/{session_id}/retry": {"post"},
+        "/api/v1/sessions/{session_id}/continue": {"post"},
         "/api/v1/turns/{turn_id}": {"get"},
     }
     assert set(paths) == set(expected)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakemodel import FakeModelServer
+from tests.fakemodel import FakeModelServer, Reply, echo_reply
 from tests.test_api_sse import LiveApi, serve_api
 
 pytestmark = pytest.mark.slow
@@ -26,6 +26,8 @@ SEED = os.environ.get("SCHEMATHESIS_SEED", "20240601")
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
     model = FakeModelServer().start()
+    # Every answer is cut at the length limit, so `continue` has something to go on with.
+    model.default = lambda request: Reply(text=echo_reply(request).text, finish_reason="length")
     try:
         with serve_api(tmp_path_factory.mktemp("fuzz"), model.url) as server:
             yield server

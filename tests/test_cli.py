@@ -38,6 +38,14 @@ def test_two_lines_make_two_turns_and_the_second_sees_the_first(cli_env, fake_mo
     assert done.stdout.index("first answer") < done.stdout.index("second answer")
 
 
+def test_a_cut_answer_says_so_in_the_terminal(cli_env, fake_model):
+    # covers: E4, E5
+    fake_model.script(Reply(text="a long ans", finish_reason="length"))
+    done = manage("chat", env=cli_env, stdin="tell me\n")
+    assert done.returncode == 0, done.stderr
+    assert "a long ans\n[The answer was cut off because it reached the length limit." in done.stdout
+
+
 def test_slash_commands_work_in_the_terminal(cli_env, fake_model):
     # covers: E4, B3
     stdin = "/new Trip plans\n/rename Holiday\n/switch nowhere\n/bogus\nhello\n/sessions\n"

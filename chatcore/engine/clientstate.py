@@ -17,6 +17,7 @@ from sessions_app import selectors
 from sessions_app.models import Session, Turn, TurnStatus
 
 from . import publish
+from .turns.outcome import present_notice
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -151,6 +152,10 @@ def turn_state(turn: Turn) -> dict[str, Any]:
     error = None
     if turn.status == TurnStatus.FAILED:
         error = {"kind": turn.error_kind, "message": turn.error_message}
+    notice = None
+    if turn.status == TurnStatus.COMPLETED and turn.reason:
+        # E5: the words for a cut or withheld answer, as its `turn_updated` carried them.
+        notice = {"kind": turn.reason, "message": present_notice(turn.reason)}
     return {
         "turn_id": str(turn.pk),
         "session_id": turn.session.session_id,
@@ -158,6 +163,7 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "mode": turn.mode,
         "reason": turn.reason or None,
         "error": error,
+        "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
         "messages": [publish.message_frame(m) for m in turn.messages.order_by("seq")],
     }

@@ -36,7 +36,9 @@ from django.utils.translation import ngettext
 
 from sessions_app import selectors, services
 from sessions_app.models import (
+    Message,
     MessageKind,
+    MessageStatus,
     Role,
     Session,
     StagedInput,
@@ -50,6 +52,7 @@ from .delivery import DeliveryCoordinator, DeliveryHandle, Terminal, sink_for_ch
 from .errors import (
     BadRequest,
     NotFound,
+    NothingToContinue,
     NothingToRetry,
     Overloaded,
     QueueFull,
@@ -63,13 +66,15 @@ from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
 from .tools import ToolContext, ToolRegistry, registry_from_settings
-from .turns.builder import RuntimeInfo, TurnInputBuilder
+from .turns.builder import CONTINUE_INSTRUCTION, RuntimeInfo, TurnInputBuilder
 from .turns.committer import CommitResult, commit_outcome, record_turn_start, take_staged
 from .turns.outcome import (
     Cancelled,
     Completed,
     Failed,
     FailureKind,
+    Notice,
+    PendingMessage,
     Stale,
     TurnOutcome,
     present_failure,
@@ -491,6 +496,11 @@ class Engine:
                 if last.reason == "stale":
                     raise NothingToRetry()
                 started = last.started_at is not None
+                if started:
+                    mode = TurnMode.RETRY
+                else:
+                    # A dropped continuation is retried as one (it has no user message).
+                    mode = TurnMode.CONTINUE if last.source.get("continues") else TurnMode.SEND
                 turn = self._enqueue_locked(
                     live,
                     owner_id=owner.pk,
@@ -498,12 +508,44 @@ class Engine:
                     client_msg_id=client_msg_id,
                     source=dict(last.source, retry_of=str(last.pk)),
                     received_at=timezone.now() if started else last.received_at,
-                    mode=TurnMode.RETRY if started else TurnMode.SEND,
+                    mode=mode,
                     retry_of=last,
                 )
                 return Ack(live, str(turn.pk), self._position(turn), "retry", client_msg_id)
 
         ack = await sync_to_async(services.storage_retry)(write, what="retry", session=session)
+        await self.kick(session.pk)
+        return ack
+
+    async def continue_answer(
+        self, session: Session, *, owner: User, client_msg_id: str = ""
+    ) -> Ack:
+        """E5: go on with the last answer when the model cut it at its length limit, as a new
+        turn (mode `continue`) whose text is stored as a message linked to the cut one
+        (`source.continues`); stored messages are never rewritten (B5), the builder and the
+        clients join them. Charged to the send rate like a send."""
+        if self.closing:
+            raise ShuttingDown()
+        await sync_to_async(self._check_rate, thread_sensitive=False)(owner.pk)
+
+        def write() -> Ack:
+            with transaction.atomic():
+                live = _lock_live(session.pk)
+                cut = _continuable_answer(session.pk)
+                if cut is None:
+                    raise NothingToContinue()
+                turn = self._enqueue_locked(
+                    live,
+                    owner_id=owner.pk,
+                    content="",
+                    client_msg_id=client_msg_id,
+                    source={"continues": str(cut.pk)},
+                    received_at=timezone.now(),
+                    mode=TurnMode.CONTINUE,
+                )
+                return Ack(live, str(turn.pk), self._position(turn), "continue", client_msg_id)
+
+        ack = await sync_to_async(services.storage_retry)(write, what="continue", session=session)
         await self.kick(session.pk)
         return ack
 
@@ -699,9 +741,13 @@ class Engine:
             exclude = (
                 str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
             )
+            continues, lead = _continuation(turn)
             try:
                 prepared = await self.builder.prepare(
-                    session_pk=session.pk, runtime=runtime, exclude_turn_partials=exclude
+                    session_pk=session.pk,
+                    runtime=runtime,
+                    exclude_turn_partials=exclude,
+                    pending=lead,
                 )
             except Exception:
                 logger.exception("context preparation failed", extra=log)
@@ -729,8 +775,11 @@ class Engine:
                 fetch_staged=fetch_staged,
                 runtime=runtime,
                 session_pk=session.pk,
-                max_steps=self.cfg["MAX_STEPS"],
+                # E5: a continuation is one text step that goes on with the cut answer.
+                max_steps=1 if continues else self.cfg["MAX_STEPS"],
                 exclude_turn_partials=exclude,
+                continues=continues,
+                lead=lead,
             )
             outcome = await self._run_cancellable(local, runner, prepared)
             if runner.recovered:
@@ -829,6 +878,7 @@ class Engine:
                 reason=result.reason,
                 error=result.error,
                 client_msg_id=turn.client_msg_id,
+                notice=result.notice,
             ),
         )
         if delivery is not None:
@@ -1062,7 +1112,11 @@ def _terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
         answers = [
             m.content for m in outcome.messages if m.role == Role.ASSISTANT and not m.tool_calls
         ]
-        return Terminal(status="completed", text="\n\n".join(a for a in answers if a))
+        text = "\n\n".join(a for a in answers if a)
+        if result.notice:
+            # E5: a cut or withheld answer says so where it is shown.
+            text = f"{text}\n\n[{result.notice['message']}]" if text else result.notice["message"]
+        return Terminal(status="completed", text=text)
     error = (result.error or {}).get("message", "")
     persisted = result.error is None or result.error.get("kind") != str(
         FailureKind.TURN_PERSISTENCE
@@ -1070,6 +1124,34 @@ def _terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
     partial = getattr(outcome, "partial", "") if persisted else ""
     status = "cancelled" if result.status == TurnStatus.CANCELLED else "failed"
     return Terminal(status=status, text=partial, error_message=error)
+
+
+def _continuable_answer(session_pk: str) -> Message | None:
+    """E5: the cut answer a `continue` goes on with: the last turn of the dialog completed
+    with a `truncated` answer and nothing was queued after it."""
+    last = Turn.objects.filter(session_id=session_pk).order_by("-number").first()
+    if last is None or last.status != TurnStatus.COMPLETED or last.reason != Notice.TRUNCATED:
+        return None
+    return (
+        Message.objects.filter(
+            session_id=session_pk,
+            turn=last,
+            role=Role.ASSISTANT,
+            status=MessageStatus.TRUNCATED,
+        )
+        .order_by("-seq")
+        .first()
+    )
+
+
+def _continuation(turn: Turn) -> tuple[str | None, list[PendingMessage]]:
+    """The cut message a continue turn (or the retry of one) goes on with, and its model-only
+    instruction; (None, []) for other turns."""
+    continues = turn.source.get("continues") if turn.mode != TurnMode.SEND else None
+    if not continues:
+        return None, []
+    instruction = PendingMessage(role=Role.USER, content=CONTINUE_INSTRUCTION, kind="continue")
+    return str(continues), [instruction]
 
 
 def _lock_live(session_pk: str) -> Session:

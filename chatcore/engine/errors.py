@@ -89,6 +89,12 @@ class NothingToRetry(ChatError):
     default_message = _("There is no failed or cancelled turn to retry.")
 
 
+class NothingToContinue(ChatError):
+    code = "bad_request"
+    http_status = 409
+    default_message = _("The last answer was not cut off, so there is nothing to continue.")
+
+
 class StorageError(ChatError):
     """A write that still failed after its retries (A4)."""
 

@@ -99,6 +99,7 @@ def turn_updated_frame(
     reason: str = "",
     error: dict[str, str] | None = None,
     client_msg_id: str = "",
+    notice: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     frame: dict[str, Any] = {
         "type": "turn_updated",
@@ -110,6 +111,9 @@ def turn_updated_frame(
         frame["reason"] = reason
     if error:
         frame["error"] = error
+    if notice:
+        # E5: a completed answer that is not whole: {kind truncated/filtered/empty, message}.
+        frame["notice"] = notice
     if client_msg_id:
         frame["client_msg_id"] = client_msg_id
     return frame

@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0001_initial"),
+        ("sessions_app", "0003_provider_fidelity"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -69,6 +69,7 @@
     tool: "M14.7 6.3a4 4 0 0 0-5.4 5.2L4 16.8 7.2 20l5.3-5.3a4 4 0 0 0 5.2-5.4l-2.5 2.5-2.5-.6-.6-2.5z",
     alert: "M12 8v5M12 16.5h.01M10.3 4.2 2.8 17.5A2 2 0 0 0 4.5 20.5h15a2 2 0 0 0 1.7-3L13.7 4.2a2 2 0 0 0-3.4 0z",
     stop: "M7 7h10v10H7z",
+    next: "M5 12h12M13 6l6 6-6 6",
   };
 
   function icon(name) {
@@ -328,6 +329,8 @@
     wantDialog: null, // dialog to restore after a reconnect or from the URL
     loadedOnce: false,
     menuFor: null,
+    answers: Object.create(null), // message id -> {node, text} of a shown answer (continuations join it)
+    continuing: Object.create(null), // turn_id -> true for a `continue` this page asked for
   };
 
   // --- Socket -------------------------------------------------------------------------------
@@ -606,6 +609,9 @@
       state.inflight[frame.turn_id] = true;
       clearTurnNote();
     }
+    if (frame.mode === "continue" && frame.turn_id) {
+      state.continuing[frame.turn_id] = true;
+    }
     if (pending) {
       if (!frame.turn_id) {
         // An idle inject is no turn: its message arrives as a delta.
@@ -665,6 +671,7 @@
       }
     });
     updateEmpty();
+    refreshContinue();
     touchSession(frame.session_id, added);
     renderSidebar();
     if (stick) {
@@ -738,6 +745,10 @@
       return;
     }
     delete state.inflight[frame.turn_id];
+    delete state.continuing[frame.turn_id];
+    document.querySelectorAll("#messages .is-continuing").forEach(function (node) {
+      node.classList.remove("is-continuing");
+    });
     history.endTurn(frame.turn_id);
     if (state.streaming && state.streaming.turnId === frame.turn_id) {
       removeStreaming();
@@ -751,13 +762,18 @@
         message ? t("answer_failed", { message: message }) : t("answer_failed_generic")
       );
     }
-    if (frame.status === "completed") {
+    if (frame.status === "completed" && frame.notice && frame.notice.message) {
+      // E5: the answer was cut or withheld; say so (the message itself carries the marker).
+      showTurnNote("notice", frame.notice.message, "none");
+      announce(frame.notice.message);
+    } else if (frame.status === "completed") {
       announce(t("answer_done"));
     }
     if (!Object.keys(state.inflight).length) {
       state.stopping = false;
     }
     updateRunning();
+    refreshContinue();
   }
 
   function onSessionUpdated(frame) {
@@ -886,7 +902,7 @@
       return true;
     });
     queue.forEach(function (q, index) {
-      if (q.mode === "retry" || q.mode === "inject") {
+      if (q.mode === "retry" || q.mode === "continue" || q.mode === "inject") {
         state.inflight[q.turn_id] = true;
         return;
       }
@@ -964,6 +980,7 @@
   function renderTranscript() {
     var container = $("messages");
     var frag = document.createDocumentFragment();
+    state.answers = Object.create(null);
     history.list().forEach(function (m) {
       var node = renderMessage(m);
       if (node) {
@@ -983,6 +1000,7 @@
     renderPending();
     renderOlderIndicator();
     updateEmpty();
+    refreshContinue();
   }
 
   function prependOlder(frame) {
@@ -1034,6 +1052,9 @@
         node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
       }
     } else if (m.role === "assistant") {
+      if (joinContinuation(m)) {
+        return null;
+      }
       node = el("div", "msg msg-assistant");
       var hasText = Boolean(m.content && m.content.trim());
       if (Array.isArray(m.tool_calls) && m.tool_calls.length) {
@@ -1056,8 +1077,14 @@
           el("span", "msg-status", t(m.status === "cancelled" ? "status_stopped" : "status_interrupted"))
         );
       }
+      if (m.status === "truncated" || m.status === "filtered") {
+        markCut(node, foot, m);
+      }
       if (hasText) {
         foot.appendChild(messageActions(m));
+      }
+      if (hasText && !(Array.isArray(m.tool_calls) && m.tool_calls.length)) {
+        state.answers[m.id] = { node: node, text: m.content };
       }
       if (foot.firstChild) {
         node.appendChild(foot);
@@ -1087,6 +1114,66 @@
       node.title = fullTime(m.created_at);
     }
     return node;
+  }
+
+  // --- Cut answers and Continue (E5) -------------------------------------------------------
+
+  /** A continuation (source.continues) is shown as part of the answer it goes on with: the
+   * shown node is rebuilt from the joined text, with the newest part's status. */
+  function joinContinuation(m) {
+    var target = (m.source || {}).continues;
+    var entry = target && state.answers[target];
+    if (!entry || !entry.node.parentNode) {
+      return false;
+    }
+    var joined = Object.assign({}, m, {
+      content: entry.text + (m.content || ""),
+      source: Object.assign({}, m.source, { continues: null }),
+    });
+    var node = renderMessage(joined);
+    node.classList.add("msg-continued");
+    entry.node.replaceWith(node);
+    state.answers[target] = state.answers[m.id];
+    return true;
+  }
+
+  function markCut(node, foot, m) {
+    var truncated = m.status === "truncated";
+    node.classList.add("msg-cut");
+    node.dataset.status = m.status;
+    var marker = el("span", "msg-status msg-cut-marker");
+    marker.appendChild(icon(truncated ? "more" : "alert"));
+    marker.appendChild(el("span", null, t(truncated ? "status_truncated" : "status_filtered")));
+    foot.appendChild(marker);
+    if (truncated) {
+      var button = el("button", "btn btn-small continue-btn");
+      button.type = "button";
+      button.appendChild(icon("next"));
+      button.appendChild(el("span", null, t("continue")));
+      button.addEventListener("click", function () {
+        continueAnswer(button);
+      });
+      button.dataset.id = m.id;
+      foot.appendChild(button);
+    }
+  }
+
+  function continueAnswer(button) {
+    if (send({ type: "continue", dialog_id: history.dialogId, client_msg_id: randomId() })) {
+      button.hidden = true;
+      clearTurnNote();
+    } else {
+      toast(t("offline_cannot_send"), "error");
+    }
+  }
+
+  /** Continue is offered on the newest answer only, while nothing runs. */
+  function refreshContinue() {
+    var last = history.newest();
+    var running = isRunning();
+    document.querySelectorAll("#messages .continue-btn").forEach(function (button) {
+      button.hidden = running || !last || last.status !== "truncated" || button.dataset.id !== last.id;
+    });
   }
 
   function messageActions(m) {
@@ -1141,12 +1228,21 @@
     });
   }
 
-  function showTurnNote(kind, text) {
+  function showTurnNote(kind, text, action) {
     clearTurnNote();
     var note = el("div", "turn-note turn-" + kind);
     note.setAttribute("role", "status");
-    note.appendChild(icon(kind === "failed" ? "alert" : "stop"));
+    note.appendChild(icon(kind === "failed" || kind === "notice" ? "alert" : "stop"));
     note.appendChild(el("span", "turn-note-text", text));
+    if (action === "none") {
+      // A completed answer that is not whole: no Retry; Continue is on the answer itself.
+      var stick0 = isNearBottom();
+      $("messages").appendChild(note);
+      if (stick0) {
+        scrollToBottom();
+      }
+      return;
+    }
     var retry = el("button", "btn btn-small retry-btn");
     retry.type = "button";
     retry.appendChild(icon("retry"));
@@ -1180,6 +1276,14 @@
       var body = el("div", "md");
       node.appendChild(toolsBox);
       node.appendChild(body);
+      if (state.continuing[turnId]) {
+        // E5: the rest of a cut answer streams in right under it, as its continuation.
+        node.classList.add("is-continuation");
+        var cut = $("messages").querySelectorAll(".msg-cut");
+        if (cut.length) {
+          cut[cut.length - 1].classList.add("is-continuing");
+        }
+      }
       $("live").appendChild(node);
       s = state.streaming = { turnId: turnId, el: node, body: body, toolsBox: toolsBox };
       announce(t("streaming"));

@@ -88,9 +88,37 @@ def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
     data: dict[str, Any] = {"role": m.role, "content": m.content or ""}
     if m.tool_calls:
         data["tool_calls"] = m.tool_calls
+        if m.role == "assistant" and not m.content:
+            # E5: no empty assistant text beside tool calls; some backends reject "".
+            data["content"] = None
     if m.role == "tool":
         data["tool_call_id"] = m.tool_call_id
     return data
+
+
+CONTINUE_INSTRUCTION = (
+    "Your previous answer was cut off because it reached the length limit. Continue it "
+    "exactly where it stopped, without repeating anything already written and without any "
+    "preamble."
+)
+
+
+def _replay(body: list[dict[str, Any]], answers: dict[str, int], m: Message) -> None:
+    """Add a stored message to the model input (E5): an empty assistant text is never
+    replayed, and a continuation is joined to the answer it continues, so the model sees
+    one answer, as the user does. `answers` maps answer message ids to their index."""
+    is_answer = m.role == "assistant" and not m.tool_calls
+    if is_answer and not (m.content or "").strip():
+        return
+    target = str((m.source or {}).get("continues") or "")
+    if is_answer and target in answers:
+        index = answers[target]
+        body[index] = {**body[index], "content": (body[index]["content"] or "") + m.content}
+        answers[str(m.id)] = index
+        return
+    body.append(message_to_openai(m))
+    if is_answer:
+        answers[str(m.id)] = len(body) - 1
 
 
 def _sanitize_tool_pairs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -214,12 +242,13 @@ class TurnInputBuilder:
             )
 
         body: list[dict[str, Any]] = []
+        answers: dict[str, int] = {}
         for m in history:
             if m.seq <= through or m.kind == MessageKind.WELCOME or m.role == "system":
                 continue
             if exclude_turn_partials and m.status and str(m.turn_id) == exclude_turn_partials:
                 continue
-            body.append(message_to_openai(m))
+            _replay(body, answers, m)
         turn_start = len(body)
         body.extend(message_to_openai(p) for p in pending)
         body = _sanitize_tool_pairs(body)

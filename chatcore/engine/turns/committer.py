@@ -33,6 +33,7 @@ from .outcome import (
     Stale,
     TurnOutcome,
     present_failure,
+    present_notice,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class CommitResult:
     reason: str = ""
     error: dict[str, str] | None = None
     appended: services.Appended | None = None
+    # E5: why a completed answer is not whole (`truncated`, `filtered`, `empty`), in words.
+    notice: dict[str, str] | None = None
 
 
 def _new(p: PendingMessage) -> services.NewMessage:
@@ -88,13 +91,16 @@ def commit_outcome(
         return CommitResult(TurnStatus.CANCELLED, reason="stale")
 
     messages = list(outcome.messages)
+    notice = None
     if isinstance(outcome, Completed):
-        status, reason, error = TurnStatus.COMPLETED, "", None
+        status, reason, error = TurnStatus.COMPLETED, outcome.notice, None
         extra_fields: dict[str, Any] = {"usage": outcome.usage}
+        if outcome.notice:
+            notice = {"kind": outcome.notice, "message": present_notice(outcome.notice)}
     elif isinstance(outcome, Cancelled):
         status, reason, error = TurnStatus.CANCELLED, outcome.reason, None
         extra_fields = {}
-        if outcome.partial:
+        if outcome.partial.strip():  # E5: never an empty assistant text
             messages.append(
                 PendingMessage(
                     role=Role.ASSISTANT,
@@ -111,7 +117,7 @@ def commit_outcome(
             "message": present_failure(outcome.kind, outcome.provider_kind),
         }
         extra_fields = {"error_kind": str(outcome.kind), "error_message": error["message"]}
-        if outcome.partial:
+        if outcome.partial.strip():  # E5: never an empty assistant text
             messages.append(
                 PendingMessage(
                     role=Role.ASSISTANT,
@@ -126,7 +132,7 @@ def commit_outcome(
 
     if not messages:
         _finish_turn_durably(turn.pk, None, status=status, reason=reason, **extra_fields)
-        return CommitResult(status, reason=reason, error=error)
+        return CommitResult(status, reason=reason, error=error, notice=notice)
     try:
         appended = services.messages_append(
             session_pk=session_pk,
@@ -154,7 +160,7 @@ def commit_outcome(
         )
         return CommitResult(TurnStatus.FAILED, error=failure)
     states.apply_appended(appended)
-    return CommitResult(status, reason=reason, error=error, appended=appended)
+    return CommitResult(status, reason=reason, error=error, appended=appended, notice=notice)
 
 
 def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Appended | None, int]:

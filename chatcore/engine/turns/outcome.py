@@ -36,10 +36,19 @@ class PendingMessage:
     status: str = ""
 
 
+class Notice(StrEnum):
+    """Why a completed turn's answer is not a whole answer (E5); also the turn's `reason`."""
+
+    TRUNCATED = "truncated"
+    FILTERED = "filtered"
+    EMPTY = "empty"
+
+
 @dataclass
 class Completed:
     messages: list[PendingMessage]
     usage: dict[str, Any] = field(default_factory=dict)
+    notice: str = ""
 
 
 @dataclass
@@ -80,6 +89,12 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
             "rate_limited": _("The model server is busy right now. Please retry in a moment."),
             "timeout": _("The model server took too long to answer. Please retry."),
             "connection": _("The model server could not be reached. Please retry later."),
+            # Not retryable: the same request would be refused again.
+            "bad_request": _(
+                "The model server rejected the request. "
+                "An operator needs to check the model settings."
+            ),
+            "content_filter": _("The model server's content filter stopped the answer."),
         }.get(provider_kind, _("The model server failed to answer. Please retry."))
     return {
         FailureKind.INPUT_PERSISTENCE: _("Your message could not be saved. Please send it again."),
@@ -95,3 +110,13 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
             "The answer was interrupted because the server stopped. Please retry."
         ),
     }.get(FailureKind(kind), _("Something went wrong. Please retry."))
+
+
+def present_notice(kind: str) -> str:
+    """The user-visible words for a completed turn whose answer was cut or withheld (E5)."""
+    words: dict[str, str] = {
+        Notice.TRUNCATED: _("The answer was cut off because it reached the length limit."),
+        Notice.FILTERED: _("The model's content filter stopped the answer."),
+        Notice.EMPTY: _("The model returned an empty answer."),
+    }
+    return words.get(kind, "")

@@ -14,12 +14,21 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sessions_app.models import MessageKind
+from django.conf import settings
 
-from ..provider import ChatProvider, Completion, ProviderError, TextDelta
+from sessions_app.models import MessageKind, MessageStatus
+
+from ..provider import (
+    ChatProvider,
+    Completion,
+    ProviderError,
+    TextDelta,
+    answer_token_limit,
+    merge_usage,
+)
 from ..tools import ToolContext, ToolRegistry
-from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
-from .outcome import Completed, Failed, FailureKind, PendingMessage, TurnOutcome
+from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder, estimate_tokens
+from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +78,13 @@ class TurnSnapshot:
 
 StagedFetch = Callable[[], Awaitable[list[PendingMessage]]]
 
+# E5: finish reasons that mean the answer is not whole, and the message status they give.
+CUT_STATUSES = {
+    "length": MessageStatus.TRUNCATED,
+    "max_tokens": MessageStatus.TRUNCATED,
+    "content_filter": MessageStatus.FILTERED,
+}
+
 
 class TurnRunner:
     def __init__(
@@ -84,6 +100,9 @@ class TurnRunner:
         session_pk: str,
         max_steps: int,
         exclude_turn_partials: str | None = None,
+        continues: str | None = None,
+        lead: list[PendingMessage] | None = None,
+        answer_tokens: int | None = None,
     ) -> None:
         self.provider = provider
         self.tools = tools
@@ -99,6 +118,12 @@ class TurnRunner:
         self.step_text = ""
         self.usage: dict[str, Any] = {}
         self.recovered = False
+        # E5: a continuation turn links its answer to the cut message it goes on with; `lead`
+        # is model input of this turn that is never committed (the continue instruction).
+        self.continues = continues
+        self.lead = list(lead or [])
+        self.answer_tokens = settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens
+        self.input_tokens = 0
 
     @property
     def partial(self) -> str:
@@ -107,6 +132,7 @@ class TurnRunner:
 
     async def run(self, prepared: PreparedInput) -> TurnOutcome:
         messages = list(prepared.messages)
+        self.input_tokens = prepared.estimated_tokens
         step = 0
         while True:
             step += 1
@@ -122,12 +148,16 @@ class TurnRunner:
                     prepared = await self.builder.recover_after_overflow(
                         session_pk=self.session_pk,
                         runtime=self.runtime,
-                        pending=self.pending,
+                        pending=self.lead + self.pending,
                         exclude_turn_partials=self.exclude_turn_partials,
                     )
                     messages = list(prepared.messages)
+                    self.input_tokens = prepared.estimated_tokens
                     step -= 1
                     continue
+                if exc.kind == "content_filter":
+                    # E5: a filter that speaks as an error ends the answer like a filter stop.
+                    return self._cut_answer(self.step_text, MessageStatus.FILTERED)
                 return Failed(
                     FailureKind.PROVIDER,
                     detail=str(exc),
@@ -137,6 +167,12 @@ class TurnRunner:
                 )
             self._add_usage(completion.usage)
             text = completion.text
+            cut = CUT_STATUSES.get(completion.finish_reason)
+            if cut is not None:
+                # E5: a cut answer is committed as such and ends the turn; tool calls cut
+                # with it are not run (their arguments may be incomplete).
+                return self._cut_answer(text, cut)
+            empty_answer = False
             if completion.tool_calls:
                 call_msg = PendingMessage(
                     role="assistant",
@@ -160,11 +196,12 @@ class TurnRunner:
                         ),
                         messages,
                     )
+            elif text.strip():
+                self._record(self._answer(text), messages)
+                self.step_text = ""
             else:
-                self._record(
-                    PendingMessage(role="assistant", content=text, kind=MessageKind.ASSISTANT),
-                    messages,
-                )
+                # E5: an empty answer is never stored (nor replayed to the model).
+                empty_answer = True
                 self.step_text = ""
             # Step boundary: staged steer/inject take their place here, in order (C4, C5).
             staged = await self.fetch_staged()
@@ -177,7 +214,38 @@ class TurnRunner:
             if steered and not last_step:
                 # C4: a steer causes one more step.
                 continue
-            return Completed(messages=self.pending, usage=self.usage)
+            return Completed(
+                messages=self.pending,
+                usage=self.usage,
+                notice=Notice.EMPTY if empty_answer else "",
+            )
+
+    def _answer(self, text: str, status: str = "") -> PendingMessage:
+        source = {"continues": self.continues} if self.continues else {}
+        return PendingMessage(
+            role="assistant",
+            content=text,
+            kind=MessageKind.ASSISTANT,
+            status=status,
+            source=source,
+        )
+
+    def _cut_answer(self, text: str, status: str) -> Completed:
+        """E5: the answer the model stopped early; marked, never passed off as complete."""
+        self.step_text = ""
+        if text.strip():
+            self.pending.append(self._answer(text, status))
+            notice = Notice.TRUNCATED if status == MessageStatus.TRUNCATED else Notice.FILTERED
+        else:
+            notice = Notice.FILTERED if status == MessageStatus.FILTERED else Notice.EMPTY
+        return Completed(messages=self.pending, usage=self.usage, notice=notice)
+
+    def max_tokens(self) -> int:
+        return answer_token_limit(
+            context_window=self.builder.context_window,
+            input_tokens=self.input_tokens,
+            configured=self.answer_tokens,
+        )
 
     async def _one_request(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -187,7 +255,10 @@ class TurnRunner:
             separator_pending = True
         else:
             separator_pending = False
-        async for event in self.provider.stream(messages=messages, tools=tools, purpose="turn"):
+        stream = self.provider.stream(
+            messages=messages, tools=tools, purpose="turn", max_tokens=self.max_tokens()
+        )
+        async for event in stream:
             if isinstance(event, TextDelta):
                 if separator_pending:
                     # The snapshot is append-only; separate the steps' texts once.
@@ -204,9 +275,9 @@ class TurnRunner:
         from .builder import message_to_openai
 
         self.pending.append(message)
-        messages.append(message_to_openai(message))
+        item = message_to_openai(message)
+        messages.append(item)
+        self.input_tokens += estimate_tokens([item])
 
     def _add_usage(self, usage: dict[str, Any]) -> None:
-        for key, value in (usage or {}).items():
-            if isinstance(value, int):
-                self.usage[key] = self.usage.get(key, 0) + value
+        merge_usage(self.usage, usage)

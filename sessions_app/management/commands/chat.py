@@ -165,6 +165,9 @@ class Terminal:
                     self.write(f"! {frame.get('error', {}).get('message', 'failed')}\n")
                 elif status == "cancelled":
                     self.write(f"[{frame.get('reason', 'cancelled')}]\n")
+                elif frame.get("notice"):
+                    # E5: an answer cut at the length limit or withheld by the filter.
+                    self.write(f"[{frame['notice']['message']}]\n")
                 self.write("\n")
                 self.pending.discard(turn_id)
                 self.printed.pop(turn_id, None)

@@ -379,6 +379,7 @@ def messages_append(
     publish_delta: bool = True,
     extra: Callable[[Session], None] | None = None,
     session: Session | None = None,
+    guard: Callable[[Session], None] | None = None,
 ) -> Appended:
     """Append messages atomically; returns them with their seqs (A3, A4).
 
@@ -386,6 +387,8 @@ def messages_append(
     deleted under the caller, nothing is written and `StaleSession` is raised. `extra` runs
     inside the same transaction (a turn's status update commits with its messages).
     `session`, when the caller has it, names the clients to notify if the write fails.
+    `guard` sees the locked session row before anything is written and may refuse by raising
+    (G2: a turn's writes check its lease's epoch in the same transaction).
     """
     if not messages:
         raise ValueError("nothing to append")
@@ -394,6 +397,8 @@ def messages_append(
     def write() -> Appended:
         with transaction.atomic():
             locked = Session.objects.select_for_update().get(pk=session_pk)
+            if guard is not None:
+                guard(locked)
             if require_generation is not None and (
                 locked.generation != require_generation or locked.deleted_at is not None
             ):

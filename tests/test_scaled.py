@@ -1,0 +1,221 @@
+"""Scaled mode with real processes (SPEC G): two `manage.py serve` processes (and Celery
+workers) on PostgreSQL and a private Redis, the fake model server as their model, clients on
+REST and WebSockets. A frozen process loses its turn and writes nothing (G2), a killed one
+loses nothing (G3), stop and fan-out cross processes (G1), background jobs wait in the broker
+for a worker and run once (G4)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sessions_app import services
+from sessions_app.models import Message, Session, Turn
+from tests.fakemodel import FakeModelServer, Reply, user_texts
+from tests.scaled import Api, Cluster, RedisServer, Socket, require_scaled_services, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+LEASE_SECONDS = 2
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    require_scaled_services()
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def cluster(
+    transactional_db: None, tmp_path: Path, fake_model: FakeModelServer, redis_server: RedisServer
+) -> Iterator[Cluster]:
+    made = Cluster(
+        tmp_path,
+        model_url=fake_model.url,
+        redis_server=redis_server,
+        CHAT_LEASE_SECONDS=str(LEASE_SECONDS),
+    )
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+@pytest.fixture
+def token(user: Any) -> str:
+    _token, raw = services.api_token_issue(user=user)
+    return raw
+
+
+def web_dialog(api: Api, user: Any, dialog_id: str) -> str:
+    return api.create_dialog(channel="web", chat_id=f"u{user.pk}", dialog_id=dialog_id)
+
+
+def session_of(session_id: str) -> Session:
+    channel, chat_id, dialog_id = session_id.split(":")
+    return Session.objects.get(
+        channel=channel, chat_id=chat_id, dialog_id=dialog_id, deleted_at__isnull=True
+    )
+
+
+def transcript(session_id: str) -> list[tuple[str, str, str]]:
+    rows = Message.objects.filter(session=session_of(session_id)).order_by("seq")
+    return [(m.role, m.content, m.status) for m in rows if m.role != "system"]
+
+
+def assert_seqs_unique(session_id: str) -> None:
+    seqs = list(
+        Message.objects.filter(session=session_of(session_id))
+        .order_by("seq")
+        .values_list("seq", flat=True)
+    )
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+
+
+def test_a_frozen_process_loses_its_turn_and_writes_nothing(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G2, C3, C11
+    a, b = cluster.serve("a"), cluster.serve("b")
+    assert a.proc is not None
+    api_a, api_b = Api(a.base, token), Api(b.base, token)
+    sid = web_dialog(api_a, user, "fence")
+    watchers = [Socket(a.base, token, "fence"), Socket(b.base, token, "fence")]
+    for w in watchers:
+        w.wait_for(lambda f: f["type"] == "session_history")
+    fake_model.script(Reply(text="first answer, slowly ", endless=True))
+    first = api_a.send(sid, "first")
+    fake_model.wait_requests(1)
+    # A runs it (its own send took the free lease) and has checkpointed a partial.
+    wait_until(lambda: bool(Turn.objects.get(pk=first).partial_text), what="a checkpoint")
+    assert f":{a.proc.pid}:" in session_of(sid).lease_owner
+
+    os.kill(a.proc.pid, signal.SIGSTOP)
+    try:
+        # B's sweep takes the dialog over once the lease expired and ends the turn A had.
+        ended = watchers[1].terminal(first, timeout=60)
+        assert ended["status"] == "failed" and ended["error"]["kind"] == "interrupted"
+        second = api_b.send(sid, "second")
+        assert watchers[1].terminal(second)["status"] == "completed"
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+
+    # Thawed, A finds its lease taken over: the turn is cancelled, the upstream closed.
+    assert fake_model.requests[0].aborted.wait(30), "A kept streaming after losing its lease"
+    wait_until(lambda: "lost the lease" in a.log(), what="A noticing the loss")
+    # A is healthy and the dialog still runs one turn at a time from either process.
+    third = api_a.send(sid, "third")
+    assert watchers[1].terminal(third)["status"] == "completed"
+    watchers[0].terminal(third)
+
+    for w in watchers:
+        for turn_id in (first, second, third):
+            assert len(w.terminals(turn_id)) == 1, (turn_id, w.terminals(turn_id))
+        after = [f.get("type") for f in w.frames[w.frames.index(w.terminals(first)[0]) :]]
+        late = [
+            f
+            for f in w.frames[w.frames.index(w.terminals(first)[0]) + 1 :]
+            if f.get("turn_id") == first
+        ]
+        assert late == [], f"frames for the taken-over turn after its end: {after}"
+    turn = Turn.objects.get(pk=first)
+    assert (turn.status, turn.error_kind) == ("failed", "interrupted")
+    rows = transcript(sid)
+    assert rows[0] == ("user", "first", "")
+    assert rows[1][0] == "assistant" and rows[1][2] == "interrupted"
+    assert rows[1][1].startswith("first answer, slowly")
+    assert rows[2:] == [
+        ("user", "second", ""),
+        ("assistant", "echo: second", ""),
+        ("user", "third", ""),
+        ("assistant", "echo: third", ""),
+    ]
+    assert_seqs_unique(sid)
+
+
+def test_a_killed_process_is_taken_over_and_its_queue_runs(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G3, C2, C11
+    a, b = cluster.serve("a"), cluster.serve("b")
+    assert a.proc is not None
+    api_a, api_b = Api(a.base, token), Api(b.base, token)
+    sid = web_dialog(api_a, user, "crash")
+    watcher = Socket(b.base, token, "crash")
+    watcher.wait_for(lambda f: f["type"] == "session_history")
+    fake_model.script(Reply(text="half an answer ", endless=True))
+    first = api_a.send(sid, "first")
+    fake_model.wait_requests(1)
+    wait_until(lambda: bool(Turn.objects.get(pk=first).partial_text), what="a checkpoint")
+    queued = [api_a.send(sid, "second"), api_b.send(sid, "third")]
+
+    a.proc.kill()
+    a.proc.wait(timeout=10)
+    killed = time.monotonic()
+    ended = watcher.terminal(first, timeout=60)
+    took_over = time.monotonic() - killed
+    assert ended["status"] == "failed" and ended["error"]["kind"] == "interrupted"
+    for turn_id in queued:
+        assert watcher.terminal(turn_id)["status"] == "completed"
+    rows = transcript(sid)
+    assert rows[1][2] == "interrupted" and rows[1][1].startswith("half an answer")
+    assert [r for i, r in enumerate(rows) if i != 1] == [
+        ("user", "first", ""),
+        ("user", "second", ""),
+        ("assistant", "echo: second", ""),
+        ("user", "third", ""),
+        ("assistant", "echo: third", ""),
+    ]
+    assert [user_texts(r)[-1] for r in fake_model.turn_requests()[1:]] == ["second", "third"]
+    assert_seqs_unique(sid)
+    # G3 asks for a takeover within lease expiry + 5 s; the figure is logged, not asserted.
+    print(f"takeover after kill -9: {took_over:.1f} s (lease {LEASE_SECONDS} s)")
+
+
+def test_stop_and_fan_out_cross_processes(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G1, C6, D3
+    a, b = cluster.serve("a"), cluster.serve("b")
+    api_a, api_b = Api(a.base, token), Api(b.base, token)
+    sid = web_dialog(api_a, user, "fan")
+    on_a, on_b = Socket(a.base, token, "fan"), Socket(b.base, token, "fan")
+    for w in (on_a, on_b):
+        w.wait_for(lambda f: f["type"] == "session_history")
+
+    for runs_on, stops_from, text in ((on_a, api_b, "stop me from b"), (on_b, api_a, "from a")):
+        fake_model.script(Reply(text="going on and on ", endless=True))
+        n = len(fake_model.requests)
+        runs_on.send(type="send", content=text, dialog_id="fan", client_msg_id=text)
+        queued = runs_on.wait_for(lambda f, t=text: f.get("client_msg_id") == t)
+        turn_id = queued["turn_id"]
+        fake_model.wait_requests(n + 1)
+        for w in (on_a, on_b):
+            # The snapshot of the running turn reaches the connections of both processes.
+            w.wait_for(lambda f, t=turn_id: f["type"] == "turn_snapshot" and f["turn_id"] == t)
+        stops_from.stop(sid)
+        assert fake_model.requests[n].aborted.wait(10), "the upstream stream stayed open"
+        for w in (on_a, on_b):
+            assert w.terminal(turn_id)["status"] == "cancelled"
+            assert len(w.terminals(turn_id)) == 1
+
+    fake_model.script(Reply(text="a whole answer"))
+    done = api_b.send(sid, "and now finish")
+    for w in (on_a, on_b):
+        assert w.terminal(done)["status"] == "completed"
+        w.wait_for(
+            lambda f: (
+                f["type"] == "history_delta"
+                and any(m["content"] == "a whole answer" for m in f["messages"])
+            )
+        )

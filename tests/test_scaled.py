@@ -219,3 +219,118 @@ def test_stop_and_fan_out_cross_processes(
                 and any(m["content"] == "a whole answer" for m in f["messages"])
             )
         )
+
+
+# --- G4: background jobs on Celery workers only ---------------------------------------------
+
+
+class TitleModel:
+    """Turns echo; title requests get the scripted replies, in order, and are counted."""
+
+    def __init__(self, *replies: Reply) -> None:
+        self.replies = list(replies)
+        self.title_requests = 0
+
+    def __call__(self, body: dict[str, Any]) -> Reply:
+        from tests.fakemodel import echo_reply
+
+        if body.get("tools"):
+            return echo_reply(body)
+        self.title_requests += 1
+        return self.replies.pop(0) if self.replies else Reply(text="Spare title")
+
+
+def chat_two_turns(api: Api, sock: Socket, sid: str) -> None:
+    for text in ("I plan a trip to Kyoto", "in spring, with my bike"):
+        assert sock.terminal(api.send(sid, text))["status"] == "completed"
+
+
+def titles_seen(sock: Socket, title: str) -> list[dict[str, Any]]:
+    return [f for f in sock.frames if f["type"] == "session_updated" and f["title"] == title]
+
+
+def test_jobs_wait_in_the_broker_for_a_worker_and_run_once(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G4, B4
+    model = TitleModel(Reply(text="Kyoto by bike"))
+    fake_model.default = model
+    server = cluster.serve("a", CHAT_AUTO_TITLE_AFTER="2")
+    api = Api(server.base, token)
+    sid = web_dialog(api, user, "jobs")
+    sock = Socket(server.base, token, "jobs")
+    sock.wait_for(lambda f: f["type"] == "session_history")
+    chat_two_turns(api, sock, sid)
+    # No worker runs: the title job waits in the broker and no serve process runs it.
+    broker = cluster.redis.client()
+    wait_until(lambda: broker.llen("chat") == 1, what="the job in the broker")
+    assert model.title_requests == 0
+    assert session_of(sid).title_source == "default"
+
+    cluster.worker("w1", "--concurrency", "1")
+    sock.wait_for(lambda f: f["type"] == "session_updated" and f["title"] == "Kyoto by bike")
+    wait_until(lambda: broker.llen("chat") == 0, what="an empty queue")
+    assert model.title_requests == 1
+    assert len(titles_seen(sock, "Kyoto by bike")) == 1
+    assert session_of(sid).title_source == "auto"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The parent pid is the second field after the parenthesised command name.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_worker_killed_mid_title_still_yields_one_title(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G4 (acks_late + reject_on_worker_lost: the job is given back and runs again)
+    import threading
+
+    never = threading.Event()
+    model = TitleModel(Reply(text="Lost title", gate=never), Reply(text="Kyoto by bike"))
+    fake_model.default = model
+    server = cluster.serve("a", CHAT_AUTO_TITLE_AFTER="2")
+    worker = cluster.worker("w1", "--concurrency", "1")
+    api = Api(server.base, token)
+    sid = web_dialog(api, user, "killed-job")
+    sock = Socket(server.base, token, "killed-job")
+    sock.wait_for(lambda f: f["type"] == "session_history")
+    try:
+        chat_two_turns(api, sock, sid)
+        wait_until(lambda: model.title_requests == 1, what="the first title request")
+        (child,) = _children(worker.pid)
+        os.kill(child, signal.SIGKILL)
+        sock.wait_for(
+            lambda f: f["type"] == "session_updated" and f["title"] == "Kyoto by bike", timeout=60
+        )
+    finally:
+        never.set()
+    assert model.title_requests == 2
+    assert titles_seen(sock, "Lost title") == []
+    assert len(titles_seen(sock, "Kyoto by bike")) == 1
+    assert (session_of(sid).title, session_of(sid).title_source) == ("Kyoto by bike", "auto")
+
+
+def test_the_broker_keeps_jobs_longer_than_any_task_may_run() -> None:
+    # covers: G4 (a job still running is never handed to a second worker)
+    from django.conf import settings
+
+    from chatcore.celery import app
+
+    app.loader.import_default_modules()
+    limits = [t.time_limit for name, t in app.tasks.items() if name.startswith("sessions_app.")]
+    assert limits and all(limit is not None for limit in limits)
+    assert max(limits) <= settings.CELERY_LONGEST_TASK_SECONDS
+    assert app.conf.broker_transport_options["visibility_timeout"] > max(limits)
+    assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost
+    assert app.conf.worker_prefetch_multiplier == 1

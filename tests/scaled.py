@@ -126,6 +126,9 @@ class Socket:
         self.conn: ClientConnection = connect(
             url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=20
         )
+        # Which process answered, when a proxy says so (deploy/nginx.conf adds X-Upstream).
+        response = self.conn.response
+        self.upstream = response.headers.get("X-Upstream", "") if response is not None else ""
         self.frames: list[dict[str, Any]] = []
         self.closed = threading.Event()
         self.close_code: int | None = None

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -65,6 +65,7 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
                     extra={"attempt": attempt + 1, "session_id": _sid(session)},
                 )
                 time.sleep(delays[attempt] / 1000)
+                reset_broken_connection()
                 attempt += 1
                 continue
             logger.error(
@@ -84,6 +85,14 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
                     ),
                 )
             raise StorageError() from exc
+
+
+def reset_broken_connection() -> None:
+    """G5: after a database error, drop this thread's connection if it is broken (the server
+    restarted, or an operator ended it), so the next query connects again. Engine calls run
+    outside Django's request cycle, which would otherwise do this."""
+    if not connection.in_atomic_block:
+        close_old_connections()
 
 
 def _sid(session: Session | None) -> str | None:

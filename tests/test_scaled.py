@@ -334,3 +334,122 @@ def test_the_broker_keeps_jobs_longer_than_any_task_may_run() -> None:
     assert app.conf.broker_transport_options["visibility_timeout"] > max(limits)
     assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost
     assert app.conf.worker_prefetch_multiplier == 1
+
+
+# --- G5: Redis restart and database connection drops ----------------------------------------
+
+
+def test_a_redis_restart_is_survived(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G5, C9, D3
+    import threading
+
+    a, b = cluster.serve("a"), cluster.serve("b")
+    api_a, api_b = Api(a.base, token), Api(b.base, token)
+    sid = web_dialog(api_a, user, "restart")
+    sockets = [Socket(a.base, token, "restart"), Socket(b.base, token, "restart")]
+    for s in sockets:
+        s.wait_for(lambda f: f["type"] == "session_history")
+    gate = threading.Event()
+    fake_model.script(Reply(text="an answer across a Redis restart", chunk=4, gate=gate))
+    first = api_a.send(sid, "during the restart")
+    for s in sockets:
+        s.wait_for(lambda f: f["type"] == "turn_snapshot" and f["turn_id"] == first)
+
+    cluster.redis.stop()
+    cluster.redis.start()
+    gate.set()
+    # The accepted turn ends and is committed.
+    assert api_a.wait_turn(first)["status"] == "completed"
+    assert transcript(sid)[-1] == ("assistant", "an answer across a Redis restart", "")
+    # Sockets whose fan-out lost frames are closed so their clients resync, not left silent.
+    for s in sockets:
+        assert s.closed.wait(30), "a socket was left open after its subscription lost frames"
+        assert s.close_code == 4012
+
+    # Clients reconnect: the state is there, and fan-out across processes works again.
+    sockets = [Socket(a.base, token, "restart"), Socket(b.base, token, "restart")]
+    for s in sockets:
+        history = s.wait_for(lambda f: f["type"] == "session_history")
+        assert history["active_turn"] is None
+        assert history["messages"][-1]["content"] == "an answer across a Redis restart"
+    second = api_b.send(sid, "after the restart")
+    for s in sockets:
+        assert s.terminal(second)["status"] == "completed"
+    # Stop still crosses processes (the control channel is subscribed again).
+    fake_model.script(Reply(text="going on ", endless=True))
+    n = len(fake_model.requests)
+    third = api_a.send(sid, "stop me from b")
+    fake_model.wait_requests(n + 1)
+    api_b.stop(sid)
+    assert fake_model.requests[n].aborted.wait(10)
+    for s in sockets:
+        assert s.terminal(third)["status"] == "cancelled"
+
+
+def test_the_broker_reconnects_after_a_redis_restart(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G5, G4
+    model = TitleModel(Reply(text="After the restart"))
+    fake_model.default = model
+    server = cluster.serve("a", CHAT_AUTO_TITLE_AFTER="2")
+    cluster.worker("w1", "--concurrency", "1")
+    cluster.redis.stop()
+    cluster.redis.start()
+    api = Api(server.base, token)
+    sid = web_dialog(api, user, "broker")
+    sock = Socket(server.base, token, "broker")
+    sock.wait_for(lambda f: f["type"] == "session_history")
+    chat_two_turns(api, sock, sid)
+    sock.wait_for(lambda f: f["type"] == "session_updated" and f["title"] == "After the restart")
+    assert model.title_requests == 1
+
+
+def test_dropped_database_connections_lose_nothing(
+    cluster: Cluster, fake_model: FakeModelServer, user: Any, token: str
+) -> None:
+    # covers: G5, A4, C2 (writes are retried on a fresh connection)
+    import threading
+
+    from django.db import connection
+
+    a, b = cluster.serve("a"), cluster.serve("b")
+    api_a, api_b = Api(a.base, token), Api(b.base, token)
+    sid = web_dialog(api_a, user, "pgdrop")
+    sock = Socket(b.base, token, "pgdrop")
+    sock.wait_for(lambda f: f["type"] == "session_history")
+    gate = threading.Event()
+    fake_model.script(Reply(text="kept through a dropped connection", chunk=4, gate=gate))
+    first = api_a.send(sid, "first")
+    fake_model.wait_requests(1)
+    queued = api_b.send(sid, "queued while the connections drop")
+    # A's engine is using its connection (a checkpoint a second) when it is ended.
+    wait_until(lambda: bool(Turn.objects.get(pk=first).partial_text), what="a checkpoint")
+
+    def drop_connections() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            return int(cursor.fetchone()[0])
+
+    assert drop_connections() >= 1
+    time.sleep(2)  # the turn's checkpoints meet the dropped connection first
+    gate.set()
+    assert sock.terminal(first)["status"] == "completed"
+    assert sock.terminal(queued)["status"] == "completed"
+    assert drop_connections() >= 1
+    after = api_b.send(sid, "after the drops")
+    assert sock.terminal(after)["status"] == "completed"
+    assert transcript(sid) == [
+        ("user", "first", ""),
+        ("assistant", "kept through a dropped connection", ""),
+        ("user", "queued while the connections drop", ""),
+        ("assistant", "echo: queued while the connections drop", ""),
+        ("user", "after the drops", ""),
+        ("assistant", "echo: after the drops", ""),
+    ]
+    assert_seqs_unique(sid)

@@ -29,7 +29,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -59,6 +59,7 @@ from .errors import (
     TooLarge,
 )
 from .ids import storable_text
+from .layerwatch import LayerWatch
 from .lease import Lease, LeaseLost
 from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
@@ -197,6 +198,8 @@ class Engine:
         self._workers: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._leases: dict[str, Lease] = {}
+        # G5: connections of this process register to be closed when the layer lost frames.
+        self.layer_watch = LayerWatch()
         self._control_channel: str | None = None
         self._started = False
         self.cfg = settings.CHAT
@@ -222,6 +225,8 @@ class Engine:
             self._control_channel = await layer.new_channel("engine.")
             await layer.group_add(publish.engine_control_group(), self._control_channel)
             self.supervisor.spawn("control", self._control_loop(), daemon=True)
+            if settings.SCALED:
+                self.supervisor.spawn("layer-watch", self.layer_watch.run(layer), daemon=True)
         self.supervisor.spawn("sweep", self._sweep_loop(), daemon=True)
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -595,9 +600,17 @@ class Engine:
                     continue
             except Exception:
                 logger.exception("lease renewal failed", extra={"session_id": session_pk})
+                await self._reset_db()
                 continue
             logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
             self._lease_lost(session_pk)
+
+    @staticmethod
+    async def _reset_db() -> None:
+        try:
+            await sync_to_async(services.reset_broken_connection)()
+        except Exception:
+            logger.exception("could not reset the database connection")
 
     def _lease_lost(self, session_pk: str) -> None:
         for local in self.local.values():
@@ -612,6 +625,10 @@ class Engine:
         return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
 
     def _claim_next(self, session_pk: str, held: Lease) -> Turn | None:
+        return services.storage_retry(lambda: self._claim_once(session_pk, held), what="claim")
+
+    @staticmethod
+    def _claim_once(session_pk: str, held: Lease) -> Turn | None:
         with transaction.atomic():
             held.check()
             turn = (
@@ -863,9 +880,18 @@ class Engine:
         if delivery is not None:
             await delivery.finish(_terminal_for_sink(outcome, result))
         if result.status == TurnStatus.COMPLETED:
-            await sync_to_async(background.after_turn)(session_pk=session.pk)
+            try:
+                await sync_to_async(background.after_turn)(session_pk=session.pk)
+            except DatabaseError:
+                # A title is scheduled again after the next turn; the queue must go on.
+                logger.warning(
+                    "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
+                )
+                await self._reset_db()
         try:
-            await sync_to_async(self._after_turn_staged)(turn, result, fence)
+            await sync_to_async(services.storage_retry)(
+                lambda: self._after_turn_staged(turn, result, fence), what="after_turn"
+            )
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
 
@@ -986,6 +1012,11 @@ class Engine:
             except LeaseLost:
                 logger.error("lost the lease during a turn", extra={"turn_id": local.turn_id})
                 cancel = True
+            except DatabaseError:
+                # G5: try again at the next beat on a fresh connection.
+                logger.warning("checkpoint failed", extra={"turn_id": local.turn_id})
+                await self._reset_db()
+                continue
             written = text
             if cancel:
                 local.cancel.set()
@@ -1058,6 +1089,7 @@ class Engine:
                 raise
             except Exception:
                 logger.exception("sweep failed")
+                await self._reset_db()
             await asyncio.sleep(interval)
 
     def evict_idle(self) -> int:

@@ -137,8 +137,8 @@ class Socket:
 
     def _pump(self) -> None:
         try:
-            for raw in self.conn:
-                frame = json.loads(raw)
+            while True:
+                frame = json.loads(self.conn.recv())
                 with self._cond:
                     self.frames.append(frame)
                     self._cond.notify_all()

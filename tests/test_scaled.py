@@ -203,8 +203,11 @@ def test_stop_and_fan_out_cross_processes(
         for w in (on_a, on_b):
             # The snapshot of the running turn reaches the connections of both processes.
             w.wait_for(lambda f, t=turn_id: f["type"] == "turn_snapshot" and f["turn_id"] == t)
+        asked = time.monotonic()
         stops_from.stop(sid)
         assert fake_model.requests[n].aborted.wait(10), "the upstream stream stayed open"
+        # G1 asks for the upstream to close within 1 s; the figure is printed, not asserted.
+        print(f"upstream closed {time.monotonic() - asked:.2f} s after a cross-process stop")
         for w in (on_a, on_b):
             assert w.terminal(turn_id)["status"] == "cancelled"
             assert len(w.terminals(turn_id)) == 1

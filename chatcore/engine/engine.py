@@ -593,7 +593,7 @@ class Engine:
         while True:
             await asyncio.sleep(interval)
             held = self._leases.get(session_pk)
-            if held is None or held.released:
+            if held is None or held.released or held.lost:
                 continue
             try:
                 if await sync_to_async(lease.renew)(held):

@@ -43,7 +43,7 @@ def require_scaled_services() -> None:
         pytest.skip(reason)
 
 
-def test_database_url() -> str:
+def database_url_of_tests() -> str:
     """The URL of the database pytest-django made for this run, for the subprocesses."""
     from django.db import connection
 
@@ -191,7 +191,7 @@ class Cluster:
         self.redis = redis_server
         self.env = {
             **os.environ,
-            "DATABASE_URL": test_database_url(),
+            "DATABASE_URL": database_url_of_tests(),
             "REDIS_URL": redis_server.url,
             "LLM_BASE_URL": model_url,
             "LLM_MODEL": "fake",

@@ -5,6 +5,7 @@ real interfaces: REST with a bearer token, WebSockets with `websockets`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -123,8 +124,9 @@ class Socket:
         url = base.replace("http://", "ws://") + "/ws/chat/"
         if dialog_id:
             url += f"?dialog_id={dialog_id}"
-        self.conn: ClientConnection = connect(
-            url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=20
+        self._stack = contextlib.ExitStack()
+        self.conn: ClientConnection = self._stack.enter_context(
+            connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=20)
         )
         # Which process answered, when a proxy says so (deploy/nginx.conf adds X-Upstream).
         response = self.conn.response
@@ -180,7 +182,7 @@ class Socket:
         )
 
     def close(self) -> None:
-        self.conn.close()
+        self._stack.close()
 
 
 class Cluster:

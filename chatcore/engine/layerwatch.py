@@ -2,11 +2,15 @@
 
 Redis pub/sub forgets: when Redis restarts, the layer's subscriptions come back by themselves
 (redis-py subscribes again on reconnect) but every frame published meanwhile is gone, and no
-subscriber is told. So this process sends itself a ping through the layer every second; when
-a publish fails or a ping does not come back in time, every connection that registered here
-is told once per outage, and closes (the client reconnects and reads the state anew: its
-`sessions` and `session_history` frames) instead of waiting silently for frames that will
-never come.
+subscriber is told. So this process sends itself a ping through the layer four times a
+second; when a publish fails or a ping does not come back in time, every connection that
+registered here is told once per outage, and closes (the client reconnects and reads the state
+anew: its `sessions` and `session_history` frames) instead of waiting silently for frames that
+will never come.
+
+Publishes reconnect at once when Redis is back, but the subscription comes back only on the
+layer's next receive attempt (a second later at the earliest), so the frames lost in between
+always include a ping.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ Listener = Callable[[], Awaitable[None]]
 
 
 class LayerWatch:
-    def __init__(self, *, interval: float = 1.0, timeout: float = 3.0) -> None:
+    def __init__(self, *, interval: float = 0.25, timeout: float = 3.0) -> None:
         self.interval = interval
         self.timeout = timeout
         self.listeners: set[Listener] = set()

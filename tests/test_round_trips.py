@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 # reading the context. Folding these into fewer round trips (one admission statement,
 # claim-on-admit for an idle dialog, the user message in the claim's transaction) is the
 # remaining work of G6.
-ROUND_TRIPS_BEFORE_FIRST_TOKEN = 21
+ROUND_TRIPS_BEFORE_FIRST_TOKEN = 20
 
 
 def _on_engine_thread(fn: Callable[[], Any]) -> Any:

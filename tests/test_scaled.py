@@ -20,7 +20,13 @@ from sessions_app.models import Message, Session, Turn
 from tests.fakemodel import FakeModelServer, Reply, user_texts
 from tests.scaled import Api, Cluster, RedisServer, Socket, require_scaled_services, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+# Several processes start per test; a loaded CI machine gets more than the default 120 s.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(300),
+]
 
 LEASE_SECONDS = 2
 

@@ -24,7 +24,7 @@ from tests.procs import ROOT, free_port
 from tests.scaled import Api, Cluster, RedisServer, Socket, require_scaled_services, wait_until
 from tests.test_api_sse import sse_events
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 

@@ -180,7 +180,9 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
         if self.user is None:
             return
-        self.engine.layer_watch.unregister(self._layer_lost)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.layer_watch.unregister(self._layer_lost)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
         for group in (self.chat_group, self.session_group):

@@ -249,6 +249,7 @@ class Cluster:
 
     def stop(self) -> None:
         for server in self.servers:
+            # A frozen process must thaw to hear its SIGTERM.
             if server.proc is not None and server.proc.poll() is None:
                 os.kill(server.proc.pid, signal.SIGCONT)
             server.stop()

@@ -168,7 +168,11 @@ class Nginx:
         )
         assert checked.returncode == 0, checked.stderr
         self.proc = subprocess.Popen([*args, "-c", str(self.conf)], text=True)
-        wait_until(self._answers, timeout=20, what="nginx")
+        try:
+            wait_until(self._answers, timeout=20, what="nginx")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _answers(self) -> bool:
@@ -179,7 +183,7 @@ class Nginx:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
 

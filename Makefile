@@ -23,10 +23,13 @@ STAMP_ID := $(shell cksum < pyproject.toml | cut -d' ' -f1)
 RUN_STAMP := $(VENV)/.installed-run-$(STAMP_ID)
 DEV_STAMP := $(VENV)/.installed-dev-$(STAMP_ID)
 
-.PHONY: help venv install install-dev run migrate demo-user lint format typecheck test clean
+.PHONY: help venv install install-dev run run-scaled scaled-check migrate demo-user lint format \
+	typecheck test clean
 
 help:
 	@echo "make run        serve on http://127.0.0.1:$(PORT) (embedded mode unless DATABASE_URL/REDIS_URL)"
+	@echo "make run-scaled scaled mode: two servers (8001, 8002), a Celery worker and beat under honcho;"
+	@echo "                needs DATABASE_URL (PostgreSQL) and REDIS_URL (Redis)"
 	@echo "make test       lint, typecheck and the whole test suite (PYTEST_ARGS=... to narrow)"
 	@echo "make lint       ruff format --check and ruff check"
 	@echo "make format     ruff format and ruff check --fix"
@@ -74,6 +77,16 @@ demo-user: migrate
 
 run: demo-user
 	$(BIN)/python manage.py serve --port $(PORT)
+
+# Scaled mode (README "Scaled mode"): check that PostgreSQL and Redis answer, migrate, then the
+# Procfile's processes under honcho (Ctrl-C stops them all). Ports: SERVE_PORT_1/SERVE_PORT_2.
+scaled-check: $(RUN_STAMP)
+	@$(BIN)/python manage.py scaled_check
+
+run-scaled: scaled-check
+	$(BIN)/python manage.py migrate --noinput
+	@$(BIN)/python manage.py ensure_demo_user --port $${SERVE_PORT_1:-8001}
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho -f Procfile start
 
 # --- checks -----------------------------------------------------------------------------------
 

@@ -172,12 +172,22 @@ else:
 
 CELERY_BROKER_URL = REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = None
+# G4: a job is acknowledged only when it has run; a worker killed under it gives it back to
+# the broker (and another worker runs it: jobs are idempotent); one job at a time per child.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_TIME_LIMIT = 120
 CELERY_TASK_SOFT_TIME_LIMIT = 90
 CELERY_TASK_DEFAULT_QUEUE = "chat"
+# The longest time limit of any task (`sessions_app.tasks`); Redis hands an unacknowledged
+# job to another worker after the visibility timeout, which must exceed it, or a job still
+# running would run twice.
+CELERY_LONGEST_TASK_SECONDS = 360
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_LONGEST_TASK_SECONDS + 240}
+# G5: the broker connection comes back by itself after a Redis restart.
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 
 # --- Auth, i18n, static ---------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 CHANNEL = "web"
 # PROTOCOL: unauthenticated connections are accepted, then closed with this code.
 CLOSE_UNAUTHENTICATED = 4401
+# G5: the channel layer lost frames (a Redis restart): the client reconnects and resyncs
+# (like 1012 "service restart", which the WebSocket server library does not let us send).
+CLOSE_RESYNC = 4012
 # Several `sessions_changed` events within this window produce one `sessions` frame.
 SESSIONS_COALESCE_SECONDS = 0.05
 # Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
@@ -167,6 +170,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._follow(current)
             await self._send_sessions()
             await self._send_history(current)
+        self.engine.layer_watch.register(self._layer_lost)
 
     def _initial_dialog(self, requested: str | None) -> Session:
         """B1, with `?dialog_id=` picking a dialog when it exists."""
@@ -186,11 +190,17 @@ class ChatConsumer(AsyncWebsocketConsumer):
             return
         if self.login is not None:
             await logins.leave(self.channel_name, self.login)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.layer_watch.unregister(self._layer_lost)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
         for group in (self.chat_group, self.session_group):
             if group:
                 await self.channel_layer.group_discard(group, self.channel_name)
+
+    async def _layer_lost(self) -> None:
+        await self.close(code=CLOSE_RESYNC)
 
     async def _follow(self, session: Session) -> None:
         """Make `session` the current dialog: its snapshots reach this connection (and no

@@ -56,6 +56,9 @@ class Session(models.Model):
     # C3: the database lease of the process running this session's turns.
     lease_owner = models.CharField(max_length=96, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # G2: the fencing token of the lease, increased at every acquisition; every write of a
+    # turn checks it in its own transaction (chatcore.engine.lease).
+    lease_epoch = models.BigIntegerField(default=0)
     # C8: the session plan tool's state.
     plan = models.TextField(blank=True, default="")
     deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)

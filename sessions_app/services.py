@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -65,6 +65,7 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
                     extra={"attempt": attempt + 1, "session_id": _sid(session)},
                 )
                 time.sleep(delays[attempt] / 1000)
+                reset_broken_connection()
                 attempt += 1
                 continue
             logger.error(
@@ -84,6 +85,14 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
                     ),
                 )
             raise StorageError() from exc
+
+
+def reset_broken_connection() -> None:
+    """G5: after a database error, drop this thread's connection if it is broken (the server
+    restarted, or an operator ended it), so the next query connects again. Engine calls run
+    outside Django's request cycle, which would otherwise do this."""
+    if not connection.in_atomic_block:
+        close_old_connections()
 
 
 def _sid(session: Session | None) -> str | None:
@@ -379,6 +388,7 @@ def messages_append(
     publish_delta: bool = True,
     extra: Callable[[Session], None] | None = None,
     session: Session | None = None,
+    guard: Callable[[Session], None] | None = None,
 ) -> Appended:
     """Append messages atomically; returns them with their seqs (A3, A4).
 
@@ -386,6 +396,8 @@ def messages_append(
     deleted under the caller, nothing is written and `StaleSession` is raised. `extra` runs
     inside the same transaction (a turn's status update commits with its messages).
     `session`, when the caller has it, names the clients to notify if the write fails.
+    `guard` sees the locked session row before anything is written and may refuse by raising
+    (G2: a turn's writes check its lease's epoch in the same transaction).
     """
     if not messages:
         raise ValueError("nothing to append")
@@ -394,6 +406,8 @@ def messages_append(
     def write() -> Appended:
         with transaction.atomic():
             locked = Session.objects.select_for_update().get(pk=session_pk)
+            if guard is not None:
+                guard(locked)
             if require_generation is not None and (
                 locked.generation != require_generation or locked.deleted_at is not None
             ):

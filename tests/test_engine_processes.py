@@ -155,3 +155,63 @@ async def test_shutdown_is_bounded_and_keeps_queued_sends(make_engine, fake_mode
         )()
         == 1
     )
+
+
+async def _steal_lease(session_pk: str) -> None:
+    """What another process's takeover does to the row: new owner, next epoch."""
+    from django.db.models import F
+
+    await sync_to_async(Session.objects.filter(pk=session_pk).update)(
+        lease_owner="other-process",
+        lease_expires_at=timezone.now() + timedelta(seconds=60),
+        lease_epoch=F("lease_epoch") + 1,
+    )
+
+
+async def test_a_stale_holder_commits_and_publishes_nothing(
+    make_engine, fake_model, recorder, user, settings
+):
+    # covers: G2 (the commit checks the lease's epoch in its own transaction)
+    import threading
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 60}  # no renewal during the test
+    engine = await make_engine(name="stale-process")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    gate = threading.Event()
+    fake_model.script(Reply(text="an answer nobody may keep", gate=gate))
+    ack = await send(engine, session, "hello")
+    await fake_model.requests_made(1)
+    await _steal_lease(session.pk)
+    gate.set()
+    await engine.wait_idle(session.pk, timeout=30)
+    turn = await sync_to_async(Turn.objects.get)(pk=ack.turn_id)
+    assert turn.status == "running", "a stale holder wrote the turn's end"
+    rows = await history(session)
+    assert [m.content for m in rows if m.role == "assistant"] == []
+    assert [
+        f for f in rec.frames if f.get("turn_id") == ack.turn_id and f["type"] != "history_delta"
+    ] == []
+    with pytest.raises(TimeoutError):
+        await rec.until(lambda f: f["type"] == "turn_updated", timeout=1)
+    fresh = await sync_to_async(Session.objects.get)(pk=session.pk)
+    assert fresh.lease_owner == "other-process", "a stale holder released another's lease"
+
+
+async def test_losing_a_renewal_cancels_the_turn_and_closes_the_stream(
+    make_engine, fake_model, recorder, user, settings
+):
+    # covers: G2 (a lost renewal cancels the local turn at once; the upstream closes)
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 3}
+    engine = await make_engine(name="renewing-process")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="streaming until told otherwise ", endless=True))
+    ack = await send(engine, session, "go on")
+    await fake_model.requests_made(1)
+    await _steal_lease(session.pk)
+    aborted = await sync_to_async(fake_model.requests[0].aborted.wait, thread_sensitive=False)(15)
+    assert aborted, "the upstream stream stayed open after the lease was lost"
+    await engine.wait_idle(session.pk, timeout=30)
+    assert (await sync_to_async(Turn.objects.get)(pk=ack.turn_id)).status == "running"
+    assert [f for f in rec.frames if f["type"] == "turn_updated"] == []

@@ -64,16 +64,31 @@ def _guard_key(job: str, session_pk: str) -> str:
 def _schedule(job: str, **kwargs: Any) -> None:
     # One pending job per kind and dialog: a burst of turns schedules one title, not ten. The
     # key lives in the shared cache (Redis in scaled mode) and the job clears it when done.
-    if not cache.add(
-        _guard_key(job, kwargs["session_pk"]), 1, timeout=settings.CELERY_TASK_TIME_LIMIT
-    ):
-        logger.info("%s already pending", job, extra={"session_id": kwargs["session_pk"]})
+    guard = _guard_key(job, kwargs["session_pk"])
+    try:
+        if not cache.add(guard, 1, timeout=settings.CELERY_TASK_TIME_LIMIT):
+            logger.info("%s already pending", job, extra={"session_id": kwargs["session_pk"]})
+            return
+    except Exception as exc:
+        # G5: Redis is away; the next turn that makes the job due schedules it again.
+        logger.warning("%s not scheduled: %s", job, type(exc).__name__)
         return
     if settings.SCALED:
         from sessions_app import tasks
 
         task = getattr(tasks, job)
-        transaction.on_commit(lambda: task.delay(**kwargs))
+
+        def enqueue() -> None:
+            try:
+                task.delay(**kwargs)
+            except Exception as exc:
+                logger.warning("%s not enqueued: %s", job, type(exc).__name__)
+                try:
+                    cache.delete(guard)
+                except Exception:
+                    logger.warning("could not clear the %s guard", job)
+
+        transaction.on_commit(enqueue)
         return
     engine = _embedded_engine
     if engine is None or engine.closing or engine.loop is None:

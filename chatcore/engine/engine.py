@@ -3,8 +3,9 @@ database lease (queue), running turns (builder -> runner -> committer), stop/ste
 retry, snapshots, recovery and supervision.
 
 Turns of one dialog never overlap, across processes too (C3): a process runs a dialog's
-turns only while it holds the dialog's lease (`Session.lease_owner/lease_expires_at`),
-renewed while it works. Queue items are `Turn` rows, stored before they are acknowledged
+turns only while it holds the dialog's lease (`lease.Lease`), renewed while it works. Every
+write of a turn checks the lease's epoch in its own transaction, and a lost renewal cancels
+the turn at once (G2). Queue items are `Turn` rows, stored before they are acknowledged
 (C2). Stop reaches the running turn at once in this process, through the channel layer's
 control group in another, and through the turn row's `cancel_requested` flag as a fallback
 (C6).
@@ -20,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -28,7 +29,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -47,7 +48,7 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from . import background, publish
+from . import background, lease, publish
 from .delivery import DeliveryCoordinator, DeliveryHandle, Terminal, sink_for_channel
 from .errors import (
     BadRequest,
@@ -62,6 +63,8 @@ from .errors import (
     TooLarge,
 )
 from .ids import FIRST_PARTY_CHANNELS, storable_text
+from .layerwatch import LayerWatch
+from .lease import Lease, LeaseLost
 from .provider import ChatProvider, provider_from_settings
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
@@ -165,6 +168,13 @@ class LocalTurn:
     published_version: int = 0
     delivery: DeliveryHandle | None = None
     ended: bool = False
+    lease: Lease | None = None
+
+    @property
+    def may_speak(self) -> bool:
+        """G2: frames that are not database writes (snapshots) go out only while the lease
+        is confirmed recently enough; a thawed process stays quiet until it knows."""
+        return self.lease is None or self.lease.trusted
 
 
 def _process_id() -> str:
@@ -193,6 +203,9 @@ class Engine:
         self.local: dict[str, LocalTurn] = {}
         self._workers: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
+        self._leases: dict[str, Lease] = {}
+        # G5: connections of this process register to be closed when the layer lost frames.
+        self.layer_watch = LayerWatch()
         self._control_channel: str | None = None
         self._started = False
         self.cfg = settings.CHAT
@@ -218,6 +231,8 @@ class Engine:
             self._control_channel = await layer.new_channel("engine.")
             await layer.group_add(publish.engine_control_group(), self._control_channel)
             self.supervisor.spawn("control", self._control_loop(), daemon=True)
+            if settings.SCALED:
+                self.supervisor.spawn("layer-watch", self.layer_watch.run(layer), daemon=True)
         self.supervisor.spawn("sweep", self._sweep_loop(), daemon=True)
 
     async def shutdown(self, grace: float | None = None) -> None:
@@ -551,29 +566,11 @@ class Engine:
 
     # --- queue workers (C1, C3, C11) -------------------------------------------------------
 
-    def _acquire_lease(self, session_pk: str) -> bool:
-        """Take a free or expired lease. Not re-entrant: two workers of one process never
-        run the same dialog, and a live lease of another process is never stolen (C11)."""
-        now = timezone.now()
-        expires = now + timedelta(seconds=self.cfg["LEASE_SECONDS"])
-        return bool(
-            Session.objects.filter(pk=session_pk)
-            .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
-            .update(lease_owner=self.process_id, lease_expires_at=expires)
-        )
-
-    def _renew_lease(self, session_pk: str) -> bool:
-        expires = timezone.now() + timedelta(seconds=self.cfg["LEASE_SECONDS"])
-        return bool(
-            Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(
-                lease_expires_at=expires
-            )
-        )
-
-    def _release_lease(self, session_pk: str) -> None:
-        Session.objects.filter(pk=session_pk, lease_owner=self.process_id).update(
-            lease_owner="", lease_expires_at=None
-        )
+    def _acquire_lease(self, session_pk: str) -> Lease | None:
+        """Take a free or expired lease with a new epoch. Not re-entrant: two workers of one
+        process never run the same dialog, and a live lease of another process is never
+        stolen (C11)."""
+        return lease.acquire(session_pk, owner=self.process_id, seconds=self.cfg["LEASE_SECONDS"])
 
     async def kick(self, session_pk: str) -> None:
         """Make sure someone runs this dialog's queue: this process if it can take the lease;
@@ -584,7 +581,8 @@ class Engine:
         if worker is not None and not worker.done():
             self._wakeups[session_pk].set()
             return
-        if not await sync_to_async(self._acquire_lease)(session_pk):
+        held = await sync_to_async(self._acquire_lease)(session_pk)
+        if held is None:
             return
         worker = self._workers.get(session_pk)
         if worker is not None and not worker.done():
@@ -592,64 +590,100 @@ class Engine:
             self._wakeups[session_pk].set()
             return
         self._wakeups[session_pk] = asyncio.Event()
+        self._leases[session_pk] = held
         try:
             self._workers[session_pk] = self.supervisor.spawn(
                 f"worker:{session_pk}", self._worker(session_pk)
             )
         except ShuttingDown:
-            await sync_to_async(self._release_lease)(session_pk)
+            self._leases.pop(session_pk, None)
+            await sync_to_async(lease.release)(held)
 
     async def _worker(self, session_pk: str) -> None:
         wake = self._wakeups[session_pk]
+        held = self._leases[session_pk]
         renew = self.supervisor.spawn(
             f"lease:{session_pk}", self._renew_loop(session_pk), daemon=True
         )
-        holding = True
         try:
-            await sync_to_async(self._recover_interrupted)(session_pk)
+            await sync_to_async(self._recover_interrupted)(session_pk, held)
             while not self.closing:
                 wake.clear()
-                turn = await sync_to_async(self._claim_next)(session_pk)
+                turn = await sync_to_async(self._claim_next)(session_pk, held)
                 if turn is not None:
-                    await self._run_turn(turn)
+                    await self._run_turn(turn, held)
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
-                await sync_to_async(self._release_lease)(session_pk)
-                holding = False
+                await sync_to_async(lease.release)(held)
                 if await sync_to_async(self._has_queued)(session_pk) or wake.is_set():
-                    if await sync_to_async(self._acquire_lease)(session_pk):
-                        holding = True
+                    again = await sync_to_async(self._acquire_lease)(session_pk)
+                    if again is not None:
+                        held = self._leases[session_pk] = again
                         continue
                 # No await from the last check to the pop below (kick runs only at awaits).
                 break
+        except LeaseLost:
+            # G2: another process took the dialog over; it runs the queue from here on.
+            logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
         finally:
             renew.cancel()
             self._workers.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
-            if holding:
+            self._leases.pop(session_pk, None)
+            if not held.released and not held.lost:
                 try:
-                    await asyncio.shield(sync_to_async(self._release_lease)(session_pk))
+                    await asyncio.shield(sync_to_async(lease.release)(held))
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
     async def _renew_loop(self, session_pk: str) -> None:
+        """Renew the dialog's lease every third of its period. A renewal that finds the
+        lease taken over cancels the local turn at once (its upstream stream closes) and its
+        writes fail their fencing check (G2). A renewal that fails on the database retries;
+        the lease is lost only when the database says so."""
         interval = self.cfg["LEASE_SECONDS"] / 3
         while True:
             await asyncio.sleep(interval)
+            held = self._leases.get(session_pk)
+            if held is None or held.released or held.lost:
+                continue
             try:
-                if not await sync_to_async(self._renew_lease)(session_pk):
-                    logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
+                if await sync_to_async(lease.renew)(held):
+                    continue
             except Exception:
                 logger.exception("lease renewal failed", extra={"session_id": session_pk})
+                await self._reset_db()
+                continue
+            logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
+            self._lease_lost(session_pk)
+
+    @staticmethod
+    async def _reset_db() -> None:
+        try:
+            await sync_to_async(services.reset_broken_connection)()
+        except Exception:
+            logger.exception("could not reset the database connection")
+
+    def _lease_lost(self, session_pk: str) -> None:
+        for local in self.local.values():
+            if local.session.pk == session_pk:
+                local.cancel.set()
+        wake = self._wakeups.get(session_pk)
+        if wake is not None:
+            wake.set()
 
     @staticmethod
     def _has_queued(session_pk: str) -> bool:
         return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
 
-    def _claim_next(self, session_pk: str) -> Turn | None:
+    def _claim_next(self, session_pk: str, held: Lease) -> Turn | None:
+        return services.storage_retry(lambda: self._claim_once(session_pk, held), what="claim")
+
+    @staticmethod
+    def _claim_once(session_pk: str, held: Lease) -> Turn | None:
         with transaction.atomic():
-            Session.objects.select_for_update().filter(pk=session_pk).first()
+            held.check()
             turn = (
                 Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED)
                 .select_related("session", "owner")
@@ -664,7 +698,7 @@ class Engine:
             turn.status = TurnStatus.RUNNING
             return turn
 
-    def _recover_interrupted(self, session_pk: str) -> list[tuple[Turn, CommitResult]]:
+    def _recover_interrupted(self, session_pk: str, held: Lease) -> list[tuple[Turn, CommitResult]]:
         """C11: a turn still marked running while we hold a fresh lease belonged to a process
         that died. Close it as failed (`interrupted`), keeping its checkpointed partial."""
         results = []
@@ -678,7 +712,11 @@ class Engine:
             )
             session = turn.session
             result = commit_outcome(
-                turn=turn, outcome=outcome, base_generation=session.generation, states=self.states
+                turn=turn,
+                outcome=outcome,
+                base_generation=session.generation,
+                states=self.states,
+                fence=held,
             )
             logger.warning(
                 "closed an interrupted turn",
@@ -700,31 +738,38 @@ class Engine:
 
     # --- one turn ------------------------------------------------------------------------
 
-    async def _run_turn(self, turn: Turn) -> None:
+    async def _run_turn(self, turn: Turn, held: Lease) -> None:
         session = turn.session
         turn_id = str(turn.pk)
         log = {"session_id": session.session_id, "turn_id": turn_id}
         snapshot = TurnSnapshot(turn_id=turn_id)
-        local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot)
+        local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
         self.local[turn_id] = local
         try:
             try:
                 _appended, generation = await sync_to_async(record_turn_start)(
-                    turn=turn, states=self.states
+                    turn=turn, states=self.states, fence=held
                 )
             except services.StaleSession:
-                await self._finish(turn, session, Stale(), 0)
+                await self._finish(turn, session, Stale(), 0, fence=held)
+                return
+            except LeaseLost:
+                logger.error("lost the lease before the turn started", extra=log)
                 return
             except Exception:
                 logger.exception("could not record the user message", extra=log)
                 await self._finish(
-                    turn, session, Failed(FailureKind.INPUT_PERSISTENCE, "input write failed"), 0
+                    turn,
+                    session,
+                    Failed(FailureKind.INPUT_PERSISTENCE, "input write failed"),
+                    0,
+                    fence=held,
                 )
                 return
             session = await sync_to_async(Session.objects.get)(pk=session.pk)
             local.session = session
             if session.deleted_at is not None:
-                await self._finish(turn, session, Stale(), generation)
+                await self._finish(turn, session, Stale(), generation, fence=held)
                 return
             sink = sink_for_channel(session.channel)
             if sink is not None:
@@ -756,6 +801,7 @@ class Engine:
                     session,
                     Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed"),
                     generation,
+                    fence=held,
                 )
                 return
             if prepared.dropped_for_budget:
@@ -764,7 +810,7 @@ class Engine:
                 )
 
             async def fetch_staged() -> list[Any]:
-                return await sync_to_async(take_staged)(turn=turn)
+                return await sync_to_async(take_staged)(turn=turn, fence=held)
 
             runner = TurnRunner(
                 provider=self.provider,
@@ -786,7 +832,9 @@ class Engine:
                 await sync_to_async(background.request_compaction)(
                     session_pk=session.pk, manual=False
                 )
-            await self._finish(turn, session, outcome, generation, delivery=local.delivery)
+            await self._finish(
+                turn, session, outcome, generation, delivery=local.delivery, fence=held
+            )
         finally:
             self.local.pop(turn_id, None)
 
@@ -848,11 +896,24 @@ class Engine:
         generation: int,
         *,
         delivery: DeliveryHandle | None = None,
+        fence: Lease,
     ) -> None:
         try:
             result = await sync_to_async(commit_outcome)(
-                turn=turn, outcome=outcome, base_generation=generation, states=self.states
+                turn=turn,
+                outcome=outcome,
+                base_generation=generation,
+                states=self.states,
+                fence=fence,
             )
+        except LeaseLost:
+            # G2: the dialog's new holder ends this turn; a stale holder commits, publishes
+            # and delivers nothing.
+            logger.error(
+                "lost the lease; the turn's outcome was dropped",
+                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+            )
+            return
         except Exception:
             logger.exception("commit failed", extra={"turn_id": str(turn.pk)})
             result = CommitResult(
@@ -884,10 +945,22 @@ class Engine:
         if delivery is not None:
             await delivery.finish(_terminal_for_sink(outcome, result))
         if result.status == TurnStatus.COMPLETED:
-            await sync_to_async(background.after_turn)(session_pk=session.pk)
-        await sync_to_async(self._after_turn_staged)(turn, result)
+            try:
+                await sync_to_async(background.after_turn)(session_pk=session.pk)
+            except DatabaseError:
+                # A title is scheduled again after the next turn; the queue must go on.
+                logger.warning(
+                    "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
+                )
+                await self._reset_db()
+        try:
+            await sync_to_async(services.storage_retry)(
+                lambda: self._after_turn_staged(turn, result, fence), what="after_turn"
+            )
+        except LeaseLost:
+            logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
 
-    def _after_turn_staged(self, turn: Turn, result: CommitResult) -> None:
+    def _after_turn_staged(self, turn: Turn, result: CommitResult, fence: Lease) -> None:
         """Inputs staged after the last boundary are never lost: injects enter history now;
         steers after a completed turn become sends (C4: when idle, steer is a send); after a
         failure steers stay staged for the next send or retry; a stop dropped them."""
@@ -914,11 +987,13 @@ class Engine:
                     for i in injects
                 ],
                 extra=lambda _s: _mark_recorded([i.pk for i in injects]),
+                guard=fence.guard,
             )
             self.states.apply_appended(appended)
         if result.status == TurnStatus.COMPLETED:
             with transaction.atomic():
-                session = Session.objects.select_for_update().get(pk=turn.session_id)
+                fence.check()
+                session = Session.objects.get(pk=turn.session_id)
                 for s in staged:
                     if s.mode != StagedInput.Mode.STEER:
                         continue
@@ -944,7 +1019,7 @@ class Engine:
             snap.changed.clear()
             if local.ended:
                 return
-            if snap.version == local.published_version:
+            if snap.version == local.published_version or not local.may_speak:
                 continue
             await self._send_snapshot(local)
             if local.delivery is not None:
@@ -964,7 +1039,7 @@ class Engine:
     async def _flush_snapshot(self, local: LocalTurn) -> None:
         """One last frame before the terminal when the coalescer held back a change (or its
         last publish was cancelled before the layer took it)."""
-        if local.snapshot.version != local.published_version:
+        if local.snapshot.version != local.published_version and local.may_speak:
             await self._send_snapshot(local)
 
     def snapshot_frame(self, local: LocalTurn, *, full: bool) -> dict[str, Any]:
@@ -987,7 +1062,9 @@ class Engine:
 
     def active_snapshot(self, turn_id: str) -> dict[str, Any] | None:
         local = self.local.get(turn_id)
-        return self.snapshot_frame(local, full=True) if local is not None else None
+        if local is None or not local.may_speak:
+            return None
+        return self.snapshot_frame(local, full=True)
 
     async def _checkpoint_loop(self, local: LocalTurn) -> None:
         """C11: the partial text goes to the turn record at most every second (never to
@@ -999,18 +1076,30 @@ class Engine:
             if local.ended:
                 return
             text = local.snapshot.text
-            cancel = await sync_to_async(self._checkpoint)(
-                local.turn_id, None if text == written else text
-            )
+            try:
+                cancel = await sync_to_async(self._checkpoint)(
+                    local.turn_id, None if text == written else text, local.lease
+                )
+            except LeaseLost:
+                logger.error("lost the lease during a turn", extra={"turn_id": local.turn_id})
+                cancel = True
+            except DatabaseError:
+                # G5: try again at the next beat on a fresh connection.
+                logger.warning("checkpoint failed", extra={"turn_id": local.turn_id})
+                await self._reset_db()
+                continue
             written = text
             if cancel:
                 local.cancel.set()
 
     @staticmethod
-    def _checkpoint(turn_id: str, text: str | None) -> bool:
-        if text is not None:
-            Turn.objects.filter(pk=turn_id).update(partial_text=text)
-        return bool(Turn.objects.filter(pk=turn_id, cancel_requested=True).exists())
+    def _checkpoint(turn_id: str, text: str | None, held: Lease | None) -> bool:
+        with transaction.atomic():
+            if held is not None:
+                held.check()
+            if text is not None:
+                Turn.objects.filter(pk=turn_id).update(partial_text=text)
+            return bool(Turn.objects.filter(pk=turn_id, cancel_requested=True).exists())
 
     # --- control channel and sweeps --------------------------------------------------------
 
@@ -1071,6 +1160,7 @@ class Engine:
                 raise
             except Exception:
                 logger.exception("sweep failed")
+                await self._reset_db()
             await asyncio.sleep(interval)
 
     def evict_idle(self) -> int:

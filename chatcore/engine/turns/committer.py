@@ -1,6 +1,9 @@
 """The turn committer (C9): a generation check, then all of a turn's messages and its
 terminal status in one transaction. Completed is published only after that commit; a stale
-turn commits nothing; a persistence failure is never reported as completed."""
+turn commits nothing; a persistence failure is never reported as completed.
+
+Every write here takes the turn's `Lease` (G2) and checks it in its own transaction: a
+process that lost the dialog's lease gets `LeaseLost` and has written nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from sessions_app.models import (
 )
 
 from ..errors import StorageError
+from ..lease import Lease
 from ..sessions import SessionStates
 from .outcome import (
     Cancelled,
@@ -67,10 +71,21 @@ def _finish_turn(turn_pk: Any, **fields: Any) -> None:
     Turn.objects.filter(pk=turn_pk).update(finished_at=timezone.now(), partial_text="", **fields)
 
 
-def _finish_turn_durably(turn_pk: Any, session: Session | None, **fields: Any) -> None:
+def _finish_turn_fenced(turn_pk: Any, fence: Lease | None, **fields: Any) -> None:
+    with transaction.atomic():
+        if fence is not None:
+            fence.check()
+        _finish_turn(turn_pk, **fields)
+
+
+def _finish_turn_durably(
+    turn_pk: Any, session: Session | None, fence: Lease | None, **fields: Any
+) -> None:
     try:
         services.storage_retry(
-            lambda: _finish_turn(turn_pk, **fields), what="turn_finish", session=session
+            lambda: _finish_turn_fenced(turn_pk, fence, **fields),
+            what="turn_finish",
+            session=session,
         )
     except StorageError:
         logger.error(
@@ -84,10 +99,13 @@ def commit_outcome(
     outcome: TurnOutcome,
     base_generation: int,
     states: SessionStates,
+    fence: Lease | None = None,
 ) -> CommitResult:
+    """Commit a turn's end. With `fence`, raises `LeaseLost` (having written nothing) when
+    the lease was lost."""
     session_pk = turn.session_id
     if isinstance(outcome, Stale):
-        _finish_turn_durably(turn.pk, None, status=TurnStatus.CANCELLED, reason="stale")
+        _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
         return CommitResult(TurnStatus.CANCELLED, reason="stale")
 
     messages = list(outcome.messages)
@@ -131,7 +149,7 @@ def commit_outcome(
         _finish_turn(turn.pk, status=status, reason=reason, **extra_fields)
 
     if not messages:
-        _finish_turn_durably(turn.pk, None, status=status, reason=reason, **extra_fields)
+        _finish_turn_durably(turn.pk, None, fence, status=status, reason=reason, **extra_fields)
         return CommitResult(status, reason=reason, error=error, notice=notice)
     try:
         appended = services.messages_append(
@@ -141,9 +159,10 @@ def commit_outcome(
             turn=turn,
             require_generation=base_generation,
             extra=finish,
+            guard=fence.guard if fence is not None else None,
         )
     except services.StaleSession:
-        _finish_turn_durably(turn.pk, None, status=TurnStatus.CANCELLED, reason="stale")
+        _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
         return CommitResult(TurnStatus.CANCELLED, reason="stale")
     except StorageError:
         # C9/C10: the answer was not saved, so it is not reported as completed.
@@ -154,6 +173,7 @@ def commit_outcome(
         _finish_turn_durably(
             turn.pk,
             None,
+            fence,
             status=TurnStatus.FAILED,
             error_kind=failure["kind"],
             error_message=failure["message"],
@@ -163,7 +183,9 @@ def commit_outcome(
     return CommitResult(status, reason=reason, error=error, appended=appended, notice=notice)
 
 
-def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Appended | None, int]:
+def record_turn_start(
+    *, turn: Turn, states: SessionStates, fence: Lease | None = None
+) -> tuple[services.Appended | None, int]:
     """C3: the user message enters history when its turn starts, with its received time.
     Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
     appended messages (None for a retry, which adds no user message) and the generation the
@@ -201,18 +223,28 @@ def record_turn_start(*, turn: Turn, states: SessionStates) -> tuple[services.Ap
         )
 
     if not new:
-        session = Session.objects.get(pk=turn.session_id)
+        with transaction.atomic():
+            if fence is not None:
+                fence.check()
+            session = Session.objects.get(pk=turn.session_id)
         return None, session.generation
     appended = services.messages_append(
-        session_pk=turn.session_id, session=turn.session, messages=new, turn=turn, extra=mark
+        session_pk=turn.session_id,
+        session=turn.session,
+        messages=new,
+        turn=turn,
+        extra=mark,
+        guard=fence.guard if fence is not None else None,
     )
     states.apply_appended(appended)
     return appended, appended.session.generation
 
 
-def take_staged(*, turn: Turn) -> list[PendingMessage]:
+def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessage]:
     """Claim the staged steer/inject inputs of the session for this turn's next boundary."""
     with transaction.atomic():
+        if fence is not None:
+            fence.check()
         items = list(
             StagedInput.objects.select_for_update()
             .filter(session_id=turn.session_id, status=StagedInput.Status.STAGED)

@@ -191,6 +191,15 @@ CHAT: dict[str, Any] = {
     "SINK_RETRIES": 3,
     "SINK_BACKOFF_SECONDS": 0.2,
     "SINK_TIMEOUT_SECONDS": 10.0,
+    # F7 fairness: one user never degrades the others (see README "Configuration").
+    "USER_RUNNING_TURNS": _env_int("CHAT_USER_RUNNING_TURNS", 4),
+    "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),
+    "WRITE_RATE_PER_MINUTE": _env_int("CHAT_WRITE_RATE_PER_MINUTE", 120),
+    "USER_SOCKETS_MAX": _env_int("CHAT_USER_SOCKETS_MAX", 20),
+    "HISTORY_PAGE_MAX_BYTES": _env_int("CHAT_HISTORY_PAGE_MAX_BYTES", 1024 * 1024),
+    "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
+    "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
+    "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
 }
 
 # `make run`: the port to serve on and the demo login it makes sure exists.
@@ -206,7 +215,10 @@ LLM: dict[str, Any] = {
     "READ_TIMEOUT": 120.0,
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
-    "POOL_SIZE": 20,
+    # STYLE 6: no cap on concurrent connections (CHAT_MODEL_CALLS_MAX bounds the calls), a
+    # small keep-alive pool, and a short wait for a pooled connection.
+    "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
+    "POOL_TIMEOUT": 5.0,
 }
 
 LOGGING = {

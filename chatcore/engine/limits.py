@@ -1,0 +1,274 @@
+"""Fairness limits (SPEC F3, F6, F7): one user never degrades the others.
+
+Every number comes from `settings.CHAT` (env `CHAT_*`), read when it is used:
+
+- two per-user budgets a minute: sends (`RATE_LIMIT_PER_MINUTE`; sends, retries, continues
+  and `/compact`) and other writes (`WRITE_RATE_PER_MINUTE`; dialog create, rename, delete
+  and slash commands). Counters live in the Django cache, so in scaled mode (Redis) they are
+  shared by every process;
+- running turns per user (`USER_RUNNING_TURNS`): checked in the database when a worker claims
+  a queued turn, so it holds across processes (`turn_may_start`); a dialog held back waits in
+  its queue and is started when one of the user's turns ends (`waiting_dialogs`) or by the
+  sweep;
+- concurrent model calls of the process (`MODEL_CALLS_MAX`): `BoundedProvider` makes a call
+  wait for a slot instead of ever waiting on the HTTP pool;
+- open WebSockets per user (`USER_SOCKETS_MAX`): `SocketRegistry` (one per engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.cache import cache
+from django.db.models import Min, Q
+from django.utils import timezone
+
+from sessions_app.models import Session, Turn, TurnStatus
+
+from .errors import RateLimited
+from .provider import ChatProvider, ProviderEvent
+
+logger = logging.getLogger(__name__)
+
+SEND = "send"
+WRITE = "write"
+_BUDGETS = {SEND: "RATE_LIMIT_PER_MINUTE", WRITE: "WRITE_RATE_PER_MINUTE"}
+
+
+# --- Rate budgets -------------------------------------------------------------------------
+
+
+def charge(user_id: int, budget: str = SEND) -> None:
+    """Count one request against the user's budget for this minute; over it raises
+    `RateLimited` with the seconds until the next minute (REST: `Retry-After`). A cache call:
+    run it off the event loop (`acharge`)."""
+    limit = int(settings.CHAT[_BUDGETS[budget]])
+    now = time.time()
+    key = f"rl:{budget}:{user_id}:{int(now // 60)}"
+    cache.add(key, 0, timeout=120)
+    try:
+        count = cache.incr(key)
+    except ValueError:
+        cache.set(key, 1, timeout=120)
+        count = 1
+    if count > limit:
+        message = None if budget == SEND else _write_message()
+        raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
+
+
+def _write_message() -> str:
+    from django.utils.translation import gettext as _
+
+    return _("Too many changes to your dialogs; slow down.")
+
+
+async def acharge(user_id: int, budget: str = SEND) -> None:
+    from asgiref.sync import sync_to_async
+
+    # The cache, not the ORM: keep it off the single database thread.
+    await sync_to_async(charge, thread_sensitive=False)(user_id, budget)
+
+
+# --- Running turns per user (across processes) ----------------------------------------------
+
+
+def lock_owner(owner_id: int) -> None:
+    """Serialise claims of one user's turns (all processes): lock the user's row for the
+    claiming transaction, so two dialogs of one user never both take the last slot."""
+    User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
+
+
+def turn_may_start(turn: Turn) -> bool:
+    """F7, in the claiming transaction after `lock_owner`: the user has a free slot for this
+    dialog, and no dialog of theirs that waits for one has an older head (so held-back
+    dialogs start in the order they were sent, never starved by a busy dialog's next turn)."""
+    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    running = Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.RUNNING).count()
+    if running >= cap:
+        return False
+    older = (
+        Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.QUEUED)
+        .exclude(session_id=turn.session_id)
+        .filter(Q(received_at__lt=turn.received_at))
+        .exclude(session__turns__status=TurnStatus.RUNNING)
+        .values("session_id")
+        .distinct()
+        .count()
+    )
+    return running + older < cap
+
+
+def waiting_dialogs(owner_id: int) -> list[str]:
+    """The user's dialogs with queued turns and none running, oldest queued turn first, as
+    many as the user has free slots: those to start now (any process may take them)."""
+    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    free = cap - Turn.objects.filter(owner_id=owner_id, status=TurnStatus.RUNNING).count()
+    if free <= 0:
+        return []
+    rows = (
+        Turn.objects.filter(owner_id=owner_id, status=TurnStatus.QUEUED)
+        .exclude(session__turns__status=TurnStatus.RUNNING)
+        .values("session_id")
+        .annotate(first=Min("received_at"))
+        .order_by("first")
+    )
+    return [r["session_id"] for r in rows[:free]]
+
+
+def owners_at_cap(session_pks: list[str]) -> set[str]:
+    """Of these dialogs, the ones whose owner already runs the most turns allowed: the sweep
+    leaves them alone (they start when one of their owner's turns ends)."""
+    if not session_pks:
+        return set()
+    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    owners = dict(Session.objects.filter(pk__in=session_pks).values_list("pk", "owner_id"))
+    running: dict[int, int] = {}
+    for owner_id in Turn.objects.filter(
+        owner_id__in=set(owners.values()), status=TurnStatus.RUNNING
+    ).values_list("owner_id", flat=True):
+        running[owner_id] = running.get(owner_id, 0) + 1
+    # A dialog with a turn still marked running needs its recovery, whatever the count.
+    recovering = set(
+        Turn.objects.filter(session_id__in=session_pks, status=TurnStatus.RUNNING)
+        .filter(Q(session__lease_owner="") | Q(session__lease_expires_at__lt=timezone.now()))
+        .values_list("session_id", flat=True)
+    )
+    return {
+        pk
+        for pk, owner_id in owners.items()
+        if running.get(owner_id, 0) >= cap and pk not in recovering
+    }
+
+
+# --- Model calls of the process -------------------------------------------------------------
+
+
+class BoundedProvider:
+    """Wraps a provider so at most `limit` model calls of this process stream at once; the
+    next waits for a slot (in its dialog's queue, as far as its client can tell), never on
+    the HTTP connection pool (F7)."""
+
+    def __init__(self, inner: ChatProvider, limit: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.limit = max(1, limit)
+        self._slots = asyncio.Semaphore(self.limit)
+        self.active = 0
+        self.max_active = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def stream(
+        self,
+        *,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        purpose: str = "turn",
+    ) -> AsyncIterator[ProviderEvent]:
+        async with self._slots:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            try:
+                async for event in self.inner.stream(
+                    messages=messages, tools=tools, purpose=purpose
+                ):
+                    yield event
+            finally:
+                self.active -= 1
+
+
+def bounded(provider: ChatProvider) -> ChatProvider:
+    if isinstance(provider, BoundedProvider):
+        return provider
+    return BoundedProvider(provider, int(settings.CHAT["MODEL_CALLS_MAX"]))
+
+
+# --- Open WebSockets per user ---------------------------------------------------------------
+
+
+class SocketRegistry:
+    """Open WebSockets per user (F7). In embedded mode a process-local count; in scaled mode
+    each connection is also a member of a per-user sorted set in Redis, scored by when it
+    stops counting (refreshed while it is open), so a crashed process's sockets stop counting
+    by themselves and the bound holds across processes."""
+
+    TTL_SECONDS = 90
+
+    def __init__(self) -> None:
+        self._local: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+        self._redis: Any = None
+
+    def _client(self) -> Any:
+        if not settings.SCALED:
+            return None
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(settings.REDIS_URL)
+        return self._redis
+
+    def open(self, user_id: int, conn_id: str) -> bool:
+        """Register a connection; False (and nothing registered) when the user is at the
+        bound. Blocking I/O in scaled mode: call it off the event loop."""
+        limit = int(settings.CHAT["USER_SOCKETS_MAX"])
+        client = self._client()
+        if client is not None:
+            key = f"ws:user:{user_id}"
+            now = time.time()
+            pipe = client.pipeline()
+            pipe.zremrangebyscore(key, "-inf", now)
+            pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
+            pipe.zcard(key)
+            pipe.expire(key, self.TTL_SECONDS)
+            _removed, _added, count, _ttl = pipe.execute()
+            if count > limit:
+                client.zrem(key, conn_id)
+                return False
+        with self._lock:
+            conns = self._local.setdefault(user_id, set())
+            if client is None and len(conns) >= limit:
+                return False
+            conns.add(conn_id)
+        return True
+
+    def close(self, user_id: int, conn_id: str) -> None:
+        with self._lock:
+            conns = self._local.get(user_id)
+            if conns is not None:
+                conns.discard(conn_id)
+                if not conns:
+                    del self._local[user_id]
+        client = self._client()
+        if client is not None:
+            client.zrem(f"ws:user:{user_id}", conn_id)
+
+    def refresh(self) -> None:
+        """Scaled mode: keep this process's open connections counted (called periodically)."""
+        client = self._client()
+        if client is None:
+            return
+        with self._lock:
+            local = {user: set(conns) for user, conns in self._local.items()}
+        expires = time.time() + self.TTL_SECONDS
+        pipe = client.pipeline()
+        for user_id, conns in local.items():
+            key = f"ws:user:{user_id}"
+            pipe.zadd(key, dict.fromkeys(conns, expires))
+            pipe.expire(key, self.TTL_SECONDS)
+        pipe.execute()
+
+    def count(self, user_id: int) -> int:
+        with self._lock:
+            return len(self._local.get(user_id, ()))

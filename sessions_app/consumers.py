@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any
 from urllib.parse import parse_qs
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -37,7 +38,7 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, InternalError, TooLarge
+from chatcore.engine.errors import BadRequest, ChatError, InternalError, RateLimited, TooLarge
 from chatcore.engine.ids import owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 CHANNEL = "web"
 # PROTOCOL: unauthenticated connections are accepted, then closed with this code.
 CLOSE_UNAUTHENTICATED = 4401
+# F7: a user's socket past CHAT["USER_SOCKETS_MAX"] gets a `rate_limited` error frame, then
+# this close code (429 as in HTTP).
+CLOSE_TOO_MANY_SOCKETS = 4429
 # Several `sessions_changed` events within this window produce one `sessions` frame.
 SESSIONS_COALESCE_SECONDS = 0.05
 # Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
@@ -121,6 +125,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     session_group: str = ""
     current: Session | None = None
     language: str = "en"
+    registered = False
 
     # --- connection ------------------------------------------------------------------------
 
@@ -130,8 +135,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self.accept()
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.user = user
         self.language = _language(self.scope)
+        self.engine = await runtime.get_engine()
+        if not await self._register(user):
+            return
+        self.user = user
         self.relay = SnapshotRelay()
         self.ended: deque[str] = deque(maxlen=ENDED_TURNS_KEPT)
         self.sessions_pending = False
@@ -145,7 +153,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The current dialog was deleted elsewhere and no other was left: the next frame
         # that needs it resolves one as in B1.
         self.current_gone = False
-        self.engine = await runtime.get_engine()
         self.chat_id = owner_chat_id(user.pk)
         self.chat_group = publish.chat_group(CHANNEL, self.chat_id)
         requested = parse_qs(self.scope.get("query_string", b"").decode("latin1")).get(
@@ -159,6 +166,26 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._follow(current)
             await self._send_sessions()
             await self._send_history(current)
+
+    async def _register(self, user: User) -> bool:
+        """F7: count this socket among the user's open ones; past the bound, refuse it with
+        a `rate_limited` error frame and close code 4429."""
+        limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
+        opened = await sync_to_async(self.engine.sockets.open, thread_sensitive=False)(
+            user.pk, self.channel_name, limit
+        )
+        if opened:
+            self.registered = True
+            return True
+        await self.accept()
+        with translation.override(self.language):
+            refusal = RateLimited(
+                _("Too many open connections (at most %(n)d); close another tab or app first.")
+                % {"n": limit}
+            )
+        await self._send(error_frame(refusal, None))
+        await self.close(code=CLOSE_TOO_MANY_SOCKETS)
+        return False
 
     def _initial_dialog(self, requested: str | None) -> Session:
         """B1, with `?dialog_id=` picking a dialog when it exists."""
@@ -174,6 +201,12 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
+        if self.registered:
+            self.registered = False
+            user = self.scope["user"]
+            await sync_to_async(self.engine.sockets.close, thread_sensitive=False)(
+                user.pk, self.channel_name
+            )
         if self.user is None:
             return
         if self.sessions_task is not None:

@@ -179,7 +179,7 @@ class Engine:
     ) -> None:
         self.process_id = name or _process_id()
         # F7: at most CHAT["MODEL_CALLS_MAX"] model calls of this process at once.
-        self.provider = limits.bounded(provider or provider_from_settings())
+        self.provider = limits.bounded(provider or provider_from_settings(), settings.CHAT)
         self.tools = tools or registry_from_settings()
         self.states = SessionStates()
         self.builder = builder or TurnInputBuilder(states=self.states)
@@ -264,7 +264,7 @@ class Engine:
         self._check_content(inbound.content)
         if len(inbound.client_msg_id) > 128:
             raise BadRequest(_("client_msg_id is too long (at most 128 characters)."))
-        await limits.acharge(inbound.owner.pk, limits.SEND)
+        await limits.acharge(inbound.owner.pk, limits.SEND, self.cfg)
         ack = await sync_to_async(self._admit)(inbound, session)
         if ack.turn_id is not None:
             await self.kick(session.pk)
@@ -461,7 +461,7 @@ class Engine:
         if self.closing:
             raise ShuttingDown()
         # F7: a retry starts model work, so it is charged to the send rate.
-        await limits.acharge(owner.pk, limits.SEND)
+        await limits.acharge(owner.pk, limits.SEND, self.cfg)
 
         def write() -> Ack:
             with transaction.atomic():
@@ -605,7 +605,7 @@ class Engine:
             await self.kick(pk)
 
     def _waiting_dialogs(self, owner_id: int) -> list[str]:
-        pks = limits.waiting_dialogs(owner_id)
+        pks = limits.waiting_dialogs(owner_id, self.cfg)
         if self.scope is not None and pks:
             allowed = set(
                 self.scope(Session.objects.filter(pk__in=pks)).values_list("pk", flat=True)
@@ -631,7 +631,7 @@ class Engine:
             if turn is None:
                 return None
             limits.lock_owner(turn.owner_id)
-            if not limits.turn_may_start(turn):
+            if not limits.turn_may_start(turn, self.cfg):
                 return HELD_BACK
             Turn.objects.filter(pk=turn.pk).update(
                 status=TurnStatus.RUNNING, started_at=timezone.now()
@@ -1065,7 +1065,7 @@ class Engine:
             qs = self.scope(qs)
         pks = list(qs.values_list("pk", flat=True).distinct()[:100])
         # F7: dialogs of owners at their running-turn cap wait for one of those turns to end.
-        held = limits.owners_at_cap(pks)
+        held = limits.owners_at_cap(pks, self.cfg)
         return [pk for pk in pks if pk not in held]
 
     # --- reading state for clients ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """Fairness limits (SPEC F3, F6, F7): one user never degrades the others.
 
-Every number comes from `settings.CHAT` (env `CHAT_*`), read when it is used:
+Every number comes from `settings.CHAT` (env `CHAT_*`); callers that started under other
+settings (an engine keeps the settings it started with) pass their own `cfg`:
 
 - two per-user budgets a minute: sends (`RATE_LIMIT_PER_MINUTE`; sends, retries, continues
   and `/compact`) and other writes (`WRITE_RATE_PER_MINUTE`; dialog create, rename, delete
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from django.conf import settings
@@ -45,11 +46,15 @@ _BUDGETS = {SEND: "RATE_LIMIT_PER_MINUTE", WRITE: "WRITE_RATE_PER_MINUTE"}
 # --- Rate budgets -------------------------------------------------------------------------
 
 
-def charge(user_id: int, budget: str = SEND) -> None:
+def _cfg(cfg: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return settings.CHAT if cfg is None else cfg
+
+
+def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
     """Count one request against the user's budget for this minute; over it raises
     `RateLimited` with the seconds until the next minute (REST: `Retry-After`). A cache call:
     run it off the event loop (`acharge`)."""
-    limit = int(settings.CHAT[_BUDGETS[budget]])
+    limit = int(_cfg(cfg)[_BUDGETS[budget]])
     now = time.time()
     key = f"rl:{budget}:{user_id}:{int(now // 60)}"
     cache.add(key, 0, timeout=120)
@@ -69,11 +74,11 @@ def _write_message() -> str:
     return _("Too many changes to your dialogs; slow down.")
 
 
-async def acharge(user_id: int, budget: str = SEND) -> None:
+async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
     from asgiref.sync import sync_to_async
 
     # The cache, not the ORM: keep it off the single database thread.
-    await sync_to_async(charge, thread_sensitive=False)(user_id, budget)
+    await sync_to_async(charge, thread_sensitive=False)(user_id, budget, cfg)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------
@@ -85,11 +90,11 @@ def lock_owner(owner_id: int) -> None:
     User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
 
 
-def turn_may_start(turn: Turn) -> bool:
+def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
     """F7, in the claiming transaction after `lock_owner`: the user has a free slot for this
     dialog, and no dialog of theirs that waits for one has an older head (so held-back
     dialogs start in the order they were sent, never starved by a busy dialog's next turn)."""
-    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
     running = Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.RUNNING).count()
     if running >= cap:
         return False
@@ -105,10 +110,10 @@ def turn_may_start(turn: Turn) -> bool:
     return running + older < cap
 
 
-def waiting_dialogs(owner_id: int) -> list[str]:
+def waiting_dialogs(owner_id: int, cfg: Mapping[str, Any] | None = None) -> list[str]:
     """The user's dialogs with queued turns and none running, oldest queued turn first, as
     many as the user has free slots: those to start now (any process may take them)."""
-    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
     free = cap - Turn.objects.filter(owner_id=owner_id, status=TurnStatus.RUNNING).count()
     if free <= 0:
         return []
@@ -122,12 +127,12 @@ def waiting_dialogs(owner_id: int) -> list[str]:
     return [r["session_id"] for r in rows[:free]]
 
 
-def owners_at_cap(session_pks: list[str]) -> set[str]:
+def owners_at_cap(session_pks: list[str], cfg: Mapping[str, Any] | None = None) -> set[str]:
     """Of these dialogs, the ones whose owner already runs the most turns allowed: the sweep
     leaves them alone (they start when one of their owner's turns ends)."""
     if not session_pks:
         return set()
-    cap = int(settings.CHAT["USER_RUNNING_TURNS"])
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
     owners = dict(Session.objects.filter(pk__in=session_pks).values_list("pk", "owner_id"))
     running: dict[int, int] = {}
     for owner_id in Turn.objects.filter(
@@ -188,10 +193,10 @@ class BoundedProvider:
                 self.active -= 1
 
 
-def bounded(provider: ChatProvider) -> ChatProvider:
+def bounded(provider: ChatProvider, cfg: Mapping[str, Any] | None = None) -> ChatProvider:
     if isinstance(provider, BoundedProvider):
         return provider
-    return BoundedProvider(provider, int(settings.CHAT["MODEL_CALLS_MAX"]))
+    return BoundedProvider(provider, int(_cfg(cfg)["MODEL_CALLS_MAX"]))
 
 
 # --- Open WebSockets per user ---------------------------------------------------------------
@@ -219,10 +224,9 @@ class SocketRegistry:
             self._redis = redis.Redis.from_url(settings.REDIS_URL)
         return self._redis
 
-    def open(self, user_id: int, conn_id: str) -> bool:
-        """Register a connection; False (and nothing registered) when the user is at the
-        bound. Blocking I/O in scaled mode: call it off the event loop."""
-        limit = int(settings.CHAT["USER_SOCKETS_MAX"])
+    def open(self, user_id: int, conn_id: str, limit: int) -> bool:
+        """Register a connection; False (and nothing registered) when the user already has
+        `limit` open. Blocking I/O in scaled mode: call it off the event loop."""
         client = self._client()
         if client is not None:
             key = f"ws:user:{user_id}"

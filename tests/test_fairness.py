@@ -33,7 +33,7 @@ from tests.fakemodel import Reply, strip_runtime
 from tests.test_api import bearer_api, engine_with, error_of
 from tests.test_ws_consumer import WS, bearer, open_ws
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 
 def chat_cfg(**changes: Any) -> Any:
@@ -402,6 +402,33 @@ async def test_open_sockets_per_user_are_bounded(
         await again.close()
         await second.close()
         await bob.close()
+
+
+@pytest.mark.redis
+def test_the_socket_bound_holds_across_processes(redis_url: str) -> None:
+    # covers: F7, G1 (scaled mode: sockets of every process count; a dead process's expire)
+    import time
+
+    import redis
+
+    from chatcore.engine.limits import SocketRegistry
+
+    redis.Redis.from_url(redis_url).delete("ws:user:424242")
+    with override_settings(SCALED=True, REDIS_URL=redis_url):
+        one, two = SocketRegistry(), SocketRegistry()
+        assert one.open(424242, "c1", 2)
+        assert two.open(424242, "c2", 2)
+        assert not one.open(424242, "c3", 2)
+        two.close(424242, "c2")
+        assert one.open(424242, "c3", 2)
+        # A process that dies stops refreshing its sockets; they stop counting.
+        one.TTL_SECONDS = 1
+        one.refresh()
+        time.sleep(1.5)
+        assert two.open(424242, "c4", 2)
+        assert two.open(424242, "c5", 2)
+        assert not two.open(424242, "c6", 2)
+    redis.Redis.from_url(redis_url).delete("ws:user:424242")
 
 
 async def test_history_pages_are_bounded_in_bytes(engine: Any, user: Any) -> None:

@@ -107,7 +107,9 @@ def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
         .distinct()
         .count()
     )
-    return running + older < cap
+    # The order is a preference, the cap is not: with nothing of theirs running, start now
+    # (an older dialog nobody can run, e.g. outside a terminal engine's scope, never blocks).
+    return running == 0 or running + older < cap
 
 
 def waiting_dialogs(owner_id: int, cfg: Mapping[str, Any] | None = None) -> list[str]:

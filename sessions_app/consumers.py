@@ -167,6 +167,21 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._send_sessions()
             await self._send_history(current)
 
+    async def websocket_connect(self, message: dict[str, Any]) -> None:
+        try:
+            await super().websocket_connect(message)
+        except BaseException:
+            # A connect that failed half-way must not keep counting against the user (F7).
+            await self._unregister()
+            raise
+
+    async def _unregister(self) -> None:
+        if self.registered:
+            self.registered = False
+            await sync_to_async(self.engine.sockets.close, thread_sensitive=False)(
+                self.scope["user"].pk, self.channel_name
+            )
+
     async def _register(self, user: User) -> bool:
         """F7: count this socket among the user's open ones; past the bound, refuse it with
         a `rate_limited` error frame and close code 4429."""
@@ -201,12 +216,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
-        if self.registered:
-            self.registered = False
-            user = self.scope["user"]
-            await sync_to_async(self.engine.sockets.close, thread_sensitive=False)(
-                user.pk, self.channel_name
-            )
+        await self._unregister()
         if self.user is None:
             return
         if self.sessions_task is not None:

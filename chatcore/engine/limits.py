@@ -34,7 +34,7 @@ from django.utils import timezone
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .errors import RateLimited
-from .provider import ChatProvider, ProviderEvent
+from .provider import ChatProvider, Completion, ProviderEvent
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,7 @@ class BoundedProvider:
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
     ) -> AsyncIterator[ProviderEvent]:
+        completion: Completion | None = None
         async with self._slots:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
@@ -190,9 +191,16 @@ class BoundedProvider:
                 async for event in self.inner.stream(
                     messages=messages, tools=tools, purpose=purpose
                 ):
+                    if isinstance(event, Completion):
+                        # Hand the result over only once the call is over and its slot
+                        # free: a caller that stops iterating at the result holds nothing.
+                        completion = event
+                        continue
                     yield event
             finally:
                 self.active -= 1
+        if completion is not None:
+            yield completion
 
 
 def bounded(provider: ChatProvider, cfg: Mapping[str, Any] | None = None) -> ChatProvider:

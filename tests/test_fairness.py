@@ -156,7 +156,7 @@ async def test_sessions_answered_while_another_users_long_dialog_is_built(
 ) -> None:
     # covers: F7 (the event loop and the ORM thread stay free while a long dialog is built)
     session = await make_dialog(user)
-    await sync_to_async(fill_history)(session, 30_000, big_every=1500)
+    await sync_to_async(fill_history)(session, 12_000, big_every=600)
     alice = await ws_connect(user)
     bob = await ws_connect(other_user)
     await alice.send({"type": "send", "content": "one more question", "client_msg_id": "a1"})
@@ -263,6 +263,31 @@ async def test_the_running_turn_cap_holds_across_processes(
     assert all(f["status"] == "completed" for f in done.values())
     assert fake_model.max_active_by_key["A"] == 2
     assert len(fake_model.requests) == 6
+
+
+async def test_a_held_back_dialog_is_started_by_the_sweep(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, C11 (the process whose turn ended cannot start the waiting dialog: it is
+    # shutting down; another process's sweep does)
+    gate = threading.Event()
+    fake_model.default = _gated_for("A0", gate)
+    with chat_cfg(USER_RUNNING_TURNS=1, LEASE_SECONDS=3):
+        first = await make_engine(name="proc-1")
+        second = await make_engine(name="proc-2")
+    d0, d1 = [await make_dialog(user, f"s{i}") for i in range(2)]
+    rec = await recorder(chat_group_of(d0))
+    a0 = await send(first, d0, "A0")
+    await fake_model.requests_made(1)
+    a1 = await send(second, d1, "A1")
+    await asyncio.sleep(0.3)  # room for a second call, if the cap leaked
+    assert len(fake_model.requests) == 1
+    queued = await sync_to_async(Turn.objects.get)(pk=a1.turn_id)
+    assert queued.status == TurnStatus.QUEUED
+    await first.shutdown(grace=2)
+    done = await terminals(rec, [a0.turn_id, a1.turn_id], timeout=30)
+    assert done[a0.turn_id]["status"] == "failed"
+    assert done[a1.turn_id]["status"] == "completed"
 
 
 async def test_model_calls_of_a_process_are_bounded(

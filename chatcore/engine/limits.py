@@ -28,7 +28,8 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
-from django.db.models import Min, Q
+from django.db import connection
+from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from sessions_app.models import Session, Turn, TurnStatus
@@ -86,27 +87,36 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
 
 def lock_owner(owner_id: int) -> None:
     """Serialise claims of one user's turns (all processes): lock the user's row for the
-    claiming transaction, so two dialogs of one user never both take the last slot."""
-    User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
+    claiming transaction, so two dialogs of one user never both take the last slot. SQLite
+    needs no lock: its write transactions already run one at a time."""
+    if connection.features.has_select_for_update:
+        User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
 
 
 def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
     """F7, in the claiming transaction after `lock_owner`: the user has a free slot for this
     dialog, and no dialog of theirs that waits for one has an older head (so held-back
-    dialogs start in the order they were sent, never starved by a busy dialog's next turn)."""
+    dialogs start in the order they were sent, never starved by a busy dialog's next turn).
+    One query: the user's running turns, and their other dialogs waiting with older turns."""
     cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    running = Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.RUNNING).count()
+    busy = Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.RUNNING).values(
+        "session_id"
+    )
+    counts = Turn.objects.filter(
+        owner_id=turn.owner_id, status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
+    ).aggregate(
+        running=Count("pk", filter=Q(status=TurnStatus.RUNNING)),
+        older=Count(
+            "session_id",
+            distinct=True,
+            filter=Q(status=TurnStatus.QUEUED, received_at__lt=turn.received_at)
+            & ~Q(session_id=turn.session_id)
+            & ~Q(session_id__in=busy),
+        ),
+    )
+    running, older = counts["running"], counts["older"]
     if running >= cap:
         return False
-    older = (
-        Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.QUEUED)
-        .exclude(session_id=turn.session_id)
-        .filter(Q(received_at__lt=turn.received_at))
-        .exclude(session__turns__status=TurnStatus.RUNNING)
-        .values("session_id")
-        .distinct()
-        .count()
-    )
     # The order is a preference, the cap is not: with nothing of theirs running, start now
     # (an older dialog nobody can run, e.g. outside a terminal engine's scope, never blocks).
     return running == 0 or running + older < cap

@@ -218,6 +218,8 @@ class Engine:
             await layer.group_add(publish.engine_control_group(), self._control_channel)
             self.supervisor.spawn("control", self._control_loop(), daemon=True)
         self.supervisor.spawn("sweep", self._sweep_loop(), daemon=True)
+        # Load the tokenizer's tables now, off the loop, not in the first turn's build.
+        await asyncio.to_thread(lambda: self.builder.counter)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Refuse new work, end running turns as interrupted (their queued successors stay

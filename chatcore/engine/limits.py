@@ -124,19 +124,20 @@ def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
 
 def waiting_dialogs(owner_id: int, cfg: Mapping[str, Any] | None = None) -> list[str]:
     """The user's dialogs with queued turns and none running, oldest queued turn first, as
-    many as the user has free slots: those to start now (any process may take them)."""
-    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    free = cap - Turn.objects.filter(owner_id=owner_id, status=TurnStatus.RUNNING).count()
-    if free <= 0:
-        return []
-    rows = (
+    many as the user has free slots: those to start now (any process may take them). One
+    query when nothing waits, the usual case after a turn."""
+    rows = list(
         Turn.objects.filter(owner_id=owner_id, status=TurnStatus.QUEUED)
         .exclude(session__turns__status=TurnStatus.RUNNING)
         .values("session_id")
         .annotate(first=Min("received_at"))
-        .order_by("first")
+        .order_by("first")[: int(_cfg(cfg)["USER_RUNNING_TURNS"])]
     )
-    return [r["session_id"] for r in rows[:free]]
+    if not rows:
+        return []
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
+    free = cap - Turn.objects.filter(owner_id=owner_id, status=TurnStatus.RUNNING).count()
+    return [r["session_id"] for r in rows[: max(0, free)]]
 
 
 def owners_at_cap(session_pks: list[str], cfg: Mapping[str, Any] | None = None) -> set[str]:

@@ -1065,10 +1065,9 @@ class Engine:
         ).filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
         if self.scope is not None:
             qs = self.scope(qs)
-        pks = list(qs.values_list("pk", flat=True).distinct()[:100])
         # F7: dialogs of owners at their running-turn cap wait for one of those turns to end.
-        held = limits.owners_at_cap(pks, self.cfg)
-        return [pk for pk in pks if pk not in held]
+        qs = limits.not_held_back(qs, self.cfg)
+        return list(qs.values_list("pk", flat=True).distinct()[:100])
 
     # --- reading state for clients ---------------------------------------------------------
 

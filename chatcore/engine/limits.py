@@ -10,7 +10,7 @@ settings (an engine keeps the settings it started with) pass their own `cfg`:
 - running turns per user (`USER_RUNNING_TURNS`): checked in the database when a worker claims
   a queued turn, so it holds across processes (`turn_may_start`); a dialog held back waits in
   its queue and is started when one of the user's turns ends (`waiting_dialogs`) or by the
-  sweep;
+  sweep once its owner has a free slot (`not_held_back`);
 - concurrent model calls of the process (`MODEL_CALLS_MAX`): `BoundedProvider` makes a call
   wait for a slot instead of ever waiting on the HTTP pool;
 - open WebSockets per user (`USER_SOCKETS_MAX`): `SocketRegistry` (one per engine).
@@ -29,8 +29,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
 from django.db import connection
-from django.db.models import Count, Min, Q
-from django.utils import timezone
+from django.db.models import Count, Min, Q, QuerySet
 
 from sessions_app.models import Session, Turn, TurnStatus
 
@@ -140,29 +139,20 @@ def waiting_dialogs(owner_id: int, cfg: Mapping[str, Any] | None = None) -> list
     return [r["session_id"] for r in rows[: max(0, free)]]
 
 
-def owners_at_cap(session_pks: list[str], cfg: Mapping[str, Any] | None = None) -> set[str]:
-    """Of these dialogs, the ones whose owner already runs the most turns allowed: the sweep
-    leaves them alone (they start when one of their owner's turns ends)."""
-    if not session_pks:
-        return set()
+def not_held_back(qs: QuerySet[Session], cfg: Mapping[str, Any] | None = None) -> QuerySet[Session]:
+    """Dialogs of `qs` except those whose owner already runs the most turns allowed: the
+    sweep leaves those alone (they start when one of their owner's turns ends). A dialog with
+    a turn still marked running stays in: it needs its recovery, whatever the count."""
     cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    owners = dict(Session.objects.filter(pk__in=session_pks).values_list("pk", "owner_id"))
-    running: dict[int, int] = {}
-    for owner_id in Turn.objects.filter(
-        owner_id__in=set(owners.values()), status=TurnStatus.RUNNING
-    ).values_list("owner_id", flat=True):
-        running[owner_id] = running.get(owner_id, 0) + 1
-    # A dialog with a turn still marked running needs its recovery, whatever the count.
-    recovering = set(
-        Turn.objects.filter(session_id__in=session_pks, status=TurnStatus.RUNNING)
-        .filter(Q(session__lease_owner="") | Q(session__lease_expires_at__lt=timezone.now()))
-        .values_list("session_id", flat=True)
+    capped = (
+        Turn.objects.filter(status=TurnStatus.RUNNING)
+        .values("owner_id")
+        .annotate(n=Count("pk"))
+        .filter(n__gte=cap)
+        .values("owner_id")
     )
-    return {
-        pk
-        for pk, owner_id in owners.items()
-        if running.get(owner_id, 0) >= cap and pk not in recovering
-    }
+    own_running = Turn.objects.filter(status=TurnStatus.RUNNING).values("session_id")
+    return qs.exclude(Q(owner_id__in=capped) & ~Q(pk__in=own_running))
 
 
 # --- Model calls of the process -------------------------------------------------------------

@@ -265,6 +265,36 @@ async def test_the_running_turn_cap_holds_across_processes(
     assert len(fake_model.requests) == 6
 
 
+async def test_on_an_external_platform_each_chat_has_its_own_slots(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, A1 (a platform account owns every chat of its bot: the cap is per chat)
+    gate = threading.Event()
+    fake_model.default = lambda body: Reply(text="ok", gate=gate)
+    with chat_cfg(USER_RUNNING_TURNS=1):
+        engine = await make_engine()
+
+    def external(chat_id: str, dialog_id: str) -> Session:
+        return services.session_create(
+            owner=user, channel="telegram", chat_id=chat_id, dialog_id=dialog_id
+        )
+
+    one = await sync_to_async(external)("1001", "default")
+    two = await sync_to_async(external)("1002", "default")
+    one_more = await sync_to_async(external)("1001", "other")
+    recs = [await recorder(chat_group_of(s)) for s in (one, two)]
+    acks = [await send(engine, s, f"hi {i}") for i, s in enumerate((one, two, one_more))]
+    await fake_model.requests_made(2)  # both chats run at once
+    await asyncio.sleep(0.3)  # room for a third call, if chat 1001's cap leaked
+    assert len(fake_model.requests) == 2
+    held = await sync_to_async(Turn.objects.get)(pk=acks[2].turn_id)
+    assert held.status == TurnStatus.QUEUED
+    gate.set()
+    done = await terminals(recs[0], [acks[0].turn_id, acks[2].turn_id])
+    done.update(await terminals(recs[1], [acks[1].turn_id]))
+    assert all(f["status"] == "completed" for f in done.values())
+
+
 async def test_a_held_back_dialog_is_started_by_the_sweep(
     make_engine: Any, fake_model: Any, recorder: Any, user: Any
 ) -> None:

@@ -553,7 +553,7 @@ class Engine:
                 turn = await sync_to_async(self._claim_next)(session_pk)
                 if isinstance(turn, Turn):
                     await self._run_turn(turn)
-                    await self._start_waiting(turn.owner_id)
+                    await self._start_waiting(turn)
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
@@ -593,21 +593,21 @@ class Engine:
             except Exception:
                 logger.exception("lease renewal failed", extra={"session_id": session_pk})
 
-    async def _start_waiting(self, owner_id: int) -> None:
-        """F7: a turn of this owner ended; start their dialogs held back by the cap, oldest
-        first (whichever process takes a dialog's lease runs it)."""
+    async def _start_waiting(self, turn: Turn) -> None:
+        """F7: a turn ended; start the dialogs of its party (`limits.party`) held back by the
+        cap, oldest first (whichever process takes a dialog's lease runs it)."""
         if self.closing:
             return
         try:
-            waiting = await sync_to_async(self._waiting_dialogs)(owner_id)
+            waiting = await sync_to_async(self._waiting_dialogs)(turn)
         except Exception:
             logger.exception("could not list dialogs waiting for a slot")
             return
         for pk in waiting:
             await self.kick(pk)
 
-    def _waiting_dialogs(self, owner_id: int) -> list[str]:
-        pks = limits.waiting_dialogs(owner_id, self.cfg)
+    def _waiting_dialogs(self, turn: Turn) -> list[str]:
+        pks = limits.waiting_dialogs(turn, self.cfg)
         if self.scope is not None and pks:
             allowed = set(
                 self.scope(Session.objects.filter(pk__in=pks)).values_list("pk", flat=True)

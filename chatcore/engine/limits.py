@@ -29,11 +29,13 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import cache
 from django.db import connection
-from django.db.models import Count, Min, Q, QuerySet
+from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
 
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .errors import RateLimited
+from .ids import FIRST_PARTY_CHANNELS
 from .provider import ChatProvider, Completion, ProviderEvent
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,16 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
 # --- Running turns per user (across processes) ----------------------------------------------
 
 
+def party(owner_id: int, channel: str, chat_id: str) -> Q:
+    """Who a running-turn slot belongs to, as a filter of `Turn`s: on first-party channels
+    (web, api, cli) the user, across those channels; on an external platform, one platform
+    chat (its account owns every chat of the platform, and one busy chat must not hold up
+    the others)."""
+    if channel in FIRST_PARTY_CHANNELS:
+        return Q(owner_id=owner_id, session__channel__in=FIRST_PARTY_CHANNELS)
+    return Q(owner_id=owner_id, session__channel=channel, session__chat_id=chat_id)
+
+
 def lock_owner(owner_id: int) -> None:
     """Serialise claims of one user's turns (all processes): lock the user's row for the
     claiming transaction, so two dialogs of one user never both take the last slot. SQLite
@@ -93,16 +105,15 @@ def lock_owner(owner_id: int) -> None:
 
 
 def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
-    """F7, in the claiming transaction after `lock_owner`: the user has a free slot for this
-    dialog, and no dialog of theirs that waits for one has an older head (so held-back
+    """F7, in the claiming transaction after `lock_owner`: the turn's party (`party`) has a
+    free slot, and no dialog of theirs that waits for one has an older head (so held-back
     dialogs start in the order they were sent, never starved by a busy dialog's next turn).
-    One query: the user's running turns, and their other dialogs waiting with older turns."""
+    One query: the party's running turns, and its other dialogs waiting with older turns."""
     cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    busy = Turn.objects.filter(owner_id=turn.owner_id, status=TurnStatus.RUNNING).values(
-        "session_id"
-    )
+    mine = party(turn.owner_id, turn.session.channel, turn.session.chat_id)
+    busy = Turn.objects.filter(mine, status=TurnStatus.RUNNING).values("session_id")
     counts = Turn.objects.filter(
-        owner_id=turn.owner_id, status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
+        mine, status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
     ).aggregate(
         running=Count("pk", filter=Q(status=TurnStatus.RUNNING)),
         older=Count(
@@ -121,38 +132,50 @@ def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
     return running == 0 or running + older < cap
 
 
-def waiting_dialogs(owner_id: int, cfg: Mapping[str, Any] | None = None) -> list[str]:
-    """The user's dialogs with queued turns and none running, oldest queued turn first, as
-    many as the user has free slots: those to start now (any process may take them). One
-    query when nothing waits, the usual case after a turn."""
+def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[str]:
+    """After `turn` ended: its party's dialogs with queued turns and none running, oldest
+    queued turn first, as many as the party has free slots: those to start now (any process
+    may take them). One query when nothing waits, the usual case."""
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
+    mine = party(turn.owner_id, turn.session.channel, turn.session.chat_id)
     rows = list(
-        Turn.objects.filter(owner_id=owner_id, status=TurnStatus.QUEUED)
+        Turn.objects.filter(mine, status=TurnStatus.QUEUED)
         .exclude(session__turns__status=TurnStatus.RUNNING)
         .values("session_id")
         .annotate(first=Min("received_at"))
-        .order_by("first")[: int(_cfg(cfg)["USER_RUNNING_TURNS"])]
+        .order_by("first")[:cap]
     )
     if not rows:
         return []
-    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    free = cap - Turn.objects.filter(owner_id=owner_id, status=TurnStatus.RUNNING).count()
+    free = cap - Turn.objects.filter(mine, status=TurnStatus.RUNNING).count()
     return [r["session_id"] for r in rows[: max(0, free)]]
 
 
 def not_held_back(qs: QuerySet[Session], cfg: Mapping[str, Any] | None = None) -> QuerySet[Session]:
-    """Dialogs of `qs` except those whose owner already runs the most turns allowed: the
-    sweep leaves those alone (they start when one of their owner's turns ends). A dialog with
+    """Dialogs of `qs` except those whose party already runs the most turns allowed: the
+    sweep leaves those alone (they start when one of the party's turns ends). A dialog with
     a turn still marked running stays in: it needs its recovery, whatever the count."""
     cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    capped = (
-        Turn.objects.filter(status=TurnStatus.RUNNING)
+    running = Turn.objects.filter(status=TurnStatus.RUNNING)
+    capped_users = (
+        running.filter(session__channel__in=FIRST_PARTY_CHANNELS)
         .values("owner_id")
         .annotate(n=Count("pk"))
         .filter(n__gte=cap)
         .values("owner_id")
     )
-    own_running = Turn.objects.filter(status=TurnStatus.RUNNING).values("session_id")
-    return qs.exclude(Q(owner_id__in=capped) & ~Q(pk__in=own_running))
+    chat_running = (
+        running.filter(session__channel=OuterRef("channel"), session__chat_id=OuterRef("chat_id"))
+        .values("session__channel")
+        .annotate(n=Count("pk"))
+        .values("n")[:1]
+    )
+    held = Q(channel__in=FIRST_PARTY_CHANNELS, owner_id__in=capped_users) | (
+        ~Q(channel__in=FIRST_PARTY_CHANNELS) & Q(chat_running__gte=cap)
+    )
+    return qs.annotate(chat_running=Coalesce(Subquery(chat_running), 0)).exclude(
+        held & ~Q(pk__in=running.values("session_id"))
+    )
 
 
 # --- Model calls of the process -------------------------------------------------------------

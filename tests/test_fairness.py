@@ -496,6 +496,20 @@ def test_the_socket_bound_holds_across_processes(redis_url: str) -> None:
     redis.Redis.from_url(redis_url).delete("ws:user:424242")
 
 
+def test_the_socket_bound_falls_back_to_the_process_when_redis_is_down() -> None:
+    # covers: F7, G5 (an unreachable Redis never locks people out, nor lifts the bound)
+    from chatcore.engine.limits import SocketRegistry
+
+    with override_settings(SCALED=True, REDIS_URL="redis://127.0.0.1:1/0"):
+        registry = SocketRegistry()
+        assert registry.open(7, "c1", 2)
+        assert registry.open(7, "c2", 2)
+        assert not registry.open(7, "c3", 2)
+        registry.close(7, "c1")
+        assert registry.open(7, "c3", 2)
+        assert registry.count(7) == 2
+
+
 async def test_history_pages_are_bounded_in_bytes(engine: Any, user: Any) -> None:
     # covers: F7 (fewer messages and has_more=true when a page would pass the byte bound)
     session = await make_dialog(user)

@@ -260,11 +260,27 @@ class SocketRegistry:
 
     def open(self, user_id: int, conn_id: str, limit: int) -> bool:
         """Register a connection; False (and nothing registered) when the user already has
-        `limit` open. Blocking I/O in scaled mode: call it off the event loop."""
+        `limit` open. Blocking I/O in scaled mode: call it off the event loop. With Redis
+        unreachable, the bound falls back to this process's count (G5: a Redis restart never
+        locks people out)."""
+        shared = self._open_shared(user_id, conn_id, limit)
+        with self._lock:
+            conns = self._local.setdefault(user_id, set())
+            if shared is False or (shared is None and len(conns) >= limit):
+                if not conns:
+                    del self._local[user_id]
+                return False
+            conns.add(conn_id)
+        return True
+
+    def _open_shared(self, user_id: int, conn_id: str, limit: int) -> bool | None:
+        """The cross-process answer, or None when there is none (embedded mode, Redis down)."""
         client = self._client()
-        if client is not None:
-            key = f"ws:user:{user_id}"
-            now = time.time()
+        if client is None:
+            return None
+        key = f"ws:user:{user_id}"
+        now = time.time()
+        try:
             pipe = client.pipeline()
             pipe.zremrangebyscore(key, "-inf", now)
             pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
@@ -274,12 +290,10 @@ class SocketRegistry:
             if count > limit:
                 client.zrem(key, conn_id)
                 return False
-        with self._lock:
-            conns = self._local.setdefault(user_id, set())
-            if client is None and len(conns) >= limit:
-                return False
-            conns.add(conn_id)
-        return True
+            return True
+        except Exception:
+            logger.warning("socket registry: Redis unavailable; counting this process only")
+            return None
 
     def close(self, user_id: int, conn_id: str) -> None:
         with self._lock:
@@ -290,7 +304,11 @@ class SocketRegistry:
                     del self._local[user_id]
         client = self._client()
         if client is not None:
-            client.zrem(f"ws:user:{user_id}", conn_id)
+            try:
+                client.zrem(f"ws:user:{user_id}", conn_id)
+            except Exception:
+                # It stops counting by itself after TTL_SECONDS.
+                logger.warning("socket registry: could not remove a closed socket")
 
     def refresh(self) -> None:
         """Scaled mode: keep this process's open connections counted (called periodically)."""
@@ -299,6 +317,8 @@ class SocketRegistry:
             return
         with self._lock:
             local = {user: set(conns) for user, conns in self._local.items()}
+        if not local:
+            return
         expires = time.time() + self.TTL_SECONDS
         pipe = client.pipeline()
         for user_id, conns in local.items():

@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet, Sum, Window
+from django.db.models.functions import Length
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -143,6 +144,28 @@ def messages_from(
         ]
     )
     return _within_bytes(rows, limit, max_bytes)
+
+
+def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) -> int:
+    """The seq after which the newest messages (past `after_seq`) hold at most about
+    `max_chars` characters: the boundary message is included, older ones are not. One query,
+    a running sum in the database (no rows are loaded), so a model input is read from a
+    window bounded by the model's context rather than by the dialog's length (F7)."""
+    first_over = (
+        Message.objects.filter(session_id=session_pk, seq__gt=after_seq)
+        .annotate(running=Window(Sum(Length("content")), order_by=F("seq").desc()))
+        .filter(running__gt=max_chars)
+        .order_by("-seq")
+        .values_list("seq", flat=True)
+        .first()
+    )
+    return after_seq if first_over is None else max(after_seq, first_over - 1)
+
+
+def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:
+    return Message.objects.filter(
+        session_id=session_pk, seq__gt=after_seq, seq__lte=through_seq
+    ).count()
 
 
 def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message]:

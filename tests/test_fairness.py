@@ -23,6 +23,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.test import override_settings
 
+from chatcore.engine import runtime
 from chatcore.engine.sessions import SessionStates
 from chatcore.engine.tokens import TokenCache, TokenCounter, counter_for_model, heuristic_count
 from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
@@ -140,6 +141,48 @@ async def test_trimming_counts_each_message_once(user: Any) -> None:
     assert wide.calls == len(full.messages) + 1  # + the runtime block
 
 
+def test_a_long_dialog_is_read_through_a_window_bounded_by_the_model(user: Any) -> None:
+    # covers: F7 (rows read for a model input are bounded by the model's window, not the
+    # dialog's length; what lies outside counts as dropped, so compaction is asked for)
+    from sessions_app import selectors
+
+    session = services.session_create(
+        owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="window"
+    )
+    last = fill_history(session, 10, size=96)  # ~100 characters each
+    # The newest two hold 213 characters, the newest three 319.
+    start = selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=250)
+    assert start == last - 3  # the newest three: two within the bound, the boundary one
+    assert selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=10**9) == 0
+    # After a compaction the window never reaches back before it.
+    assert (
+        selectors.messages_window_start(session_pk=session.pk, after_seq=last - 1, max_chars=1)
+        == last - 1
+    )
+
+
+async def test_the_builder_reads_only_the_window_and_counts_the_rest_as_dropped(
+    user: Any,
+) -> None:
+    # covers: F7, C7
+    session = await make_dialog(user)
+    last = await sync_to_async(fill_history)(session, 4000)
+    states = SessionStates()
+    builder = TurnInputBuilder(states=states, context_window=4096)
+    prepared = await builder.prepare(
+        session_pk=session.pk, runtime=RuntimeInfo(channel="web", dialog_id="default", title="t")
+    )
+    # 4096 tokens x 16 characters: a few hundred of the 4000 messages were read and cached,
+    # not all (about 1.4 KB each as the cache counts them).
+    assert 0 < states.size < 500 * 1500
+    kept = len(prepared.messages) - 1  # the system prompt
+    # Every stored message is either sent or counted as left out (the old welcome among them).
+    assert kept + prepared.dropped_for_budget == last
+    assert prepared.messages[-1]["content"].startswith(f"message {last - 1} ") or prepared.messages[
+        -1
+    ]["content"].startswith(f"message {last - 2} ")
+
+
 def test_the_bpe_counter_knows_openai_models_and_falls_back_otherwise() -> None:
     # covers: C7 (a real tokenizer where one ships offline; the heuristic elsewhere)
     bpe = counter_for_model("gpt-4o-mini")
@@ -152,33 +195,40 @@ def test_the_bpe_counter_knows_openai_models_and_falls_back_otherwise() -> None:
 
 
 async def test_sessions_answered_while_another_users_long_dialog_is_built(
-    engine: Any, fake_model: Any, user: Any, other_user: Any
+    make_engine: Any, fake_model: Any, user: Any, other_user: Any
 ) -> None:
     # covers: F7 (the event loop and the ORM thread stay free while a long dialog is built)
-    session = await make_dialog(user)
-    await sync_to_async(fill_history)(session, 12_000, big_every=600)
-    alice = await ws_connect(user)
-    bob = await ws_connect(other_user)
-    await alice.send({"type": "send", "content": "one more question", "client_msg_id": "a1"})
-    # The user message enters history when the turn starts; the input build follows.
-    await alice.until(
-        lambda f: (
-            f["type"] == "history_delta"
-            and any(m["content"] == "one more question" for m in f["messages"])
-        ),
-        timeout=30,
-    )
-    for i in range(3):
-        answer = await bob.ask({"type": "sessions", "client_msg_id": f"s{i}"})
-        assert answer["type"] == "sessions"
-        # Answered before the long build reached the model.
-        assert fake_model.turn_requests() == [], f"round trip {i} waited for the build"
-    done = await alice.until(lambda f: f["type"] == "turn_updated", timeout=120)
-    assert done[-1]["status"] == "completed"
-    sent = fake_model.turn_requests()[0].messages
-    assert len(sent) < 1000  # trimmed to the budget
-    await alice.close()
-    await bob.close()
+    # A model with a large window: the build reads and trims thousands of messages.
+    with override_settings(LLM={**settings.LLM, "CONTEXT_WINDOW": 200_000}):
+        engine = await make_engine()
+    runtime.set_engine(engine)
+    try:
+        session = await make_dialog(user)
+        await sync_to_async(fill_history)(session, 12_000, big_every=600)
+        alice = await ws_connect(user)
+        bob = await ws_connect(other_user)
+        await alice.send({"type": "send", "content": "one more question", "client_msg_id": "a1"})
+        # The user message enters history when the turn starts; the input build follows.
+        await alice.until(
+            lambda f: (
+                f["type"] == "history_delta"
+                and any(m["content"] == "one more question" for m in f["messages"])
+            ),
+            timeout=30,
+        )
+        for i in range(3):
+            answer = await bob.ask({"type": "sessions", "client_msg_id": f"s{i}"})
+            assert answer["type"] == "sessions"
+            # Answered before the long build reached the model.
+            assert fake_model.turn_requests() == [], f"round trip {i} waited for the build"
+        done = await alice.until(lambda f: f["type"] == "turn_updated", timeout=120)
+        assert done[-1]["status"] == "completed"
+        sent = fake_model.turn_requests()[0].messages
+        assert 1000 < len(sent) < 12_000  # thousands of messages, trimmed to the budget
+        await alice.close()
+        await bob.close()
+    finally:
+        runtime.set_engine(None)
 
 
 # --- Item 2: running turns per user, model calls per process --------------------------------

@@ -23,6 +23,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
+from sessions_app import selectors
 from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
 
 from ..sessions import SessionStates
@@ -38,6 +39,9 @@ SYSTEM_PROMPT = (
 )
 RUNTIME_MARKER = "\n\n[runtime context]\n"
 TRIMMED_NOTE = "\n[... trimmed for the model's context ...]"
+# The read window: at most this many characters per token of the model's window are loaded
+# (newest first). Real text runs 3-5 characters a token; anything past 16 cannot fit anyway.
+WINDOW_CHARS_PER_TOKEN = 16
 
 
 def load_skills(folder: str | Path) -> str:
@@ -158,7 +162,7 @@ class TurnInputBuilder:
         budget_ratio: float | None = None,
     ) -> PreparedInput:
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
-        session, history, compaction = await sync_to_async(
+        session, history, compaction, skipped = await sync_to_async(
             self._load_history, thread_sensitive=False
         )(session_pk)
         # C7: memory and plan do not depend on each other; read them concurrently.
@@ -167,7 +171,7 @@ class TurnInputBuilder:
             sync_to_async(_plan, thread_sensitive=False)(session_pk),
         )
         # F7: conversion, counting and trimming grow with the dialog: off the event loop.
-        return await sync_to_async(self.assemble, thread_sensitive=False)(
+        prepared = await sync_to_async(self.assemble, thread_sensitive=False)(
             session=session,
             history=history,
             compaction=compaction,
@@ -178,6 +182,9 @@ class TurnInputBuilder:
             exclude_turn_partials=exclude_turn_partials,
             budget=int(self.context_window * ratio),
         )
+        # Messages outside the read window were left out for the budget too.
+        prepared.dropped_for_budget += skipped
+        return prepared
 
     async def recover_after_overflow(
         self,
@@ -196,7 +203,9 @@ class TurnInputBuilder:
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
 
-    def _load_history(self, session_pk: str) -> tuple[Session, list[Message], Compaction | None]:
+    def _load_history(
+        self, session_pk: str
+    ) -> tuple[Session, list[Message], Compaction | None, int]:
         """Runs on a pool thread, not the one ORM thread that answers every client (F7)."""
         try:
             session = Session.objects.get(pk=session_pk)
@@ -204,8 +213,20 @@ class TurnInputBuilder:
                 Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
             )
             through = compaction.through_seq if compaction else 0
-            history = self.states.history(session, after_seq=through)
-            return session, history, compaction
+            # F7: read only the newest messages that could fit the model's window at all; a
+            # dialog longer than that costs one summing query, not one row per message.
+            window = selectors.messages_window_start(
+                session_pk=session_pk,
+                after_seq=through,
+                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+            )
+            skipped = 0
+            if window > through:
+                skipped = selectors.messages_count_between(
+                    session_pk=session_pk, after_seq=through, through_seq=window
+                )
+            history = self.states.history(session, after_seq=window)
+            return session, history, compaction, skipped
         finally:
             connection.close()
 

@@ -189,6 +189,7 @@ def test_the_bpe_counter_knows_openai_models_and_falls_back_otherwise() -> None:
     assert bpe.name.startswith("bpe:")
     assert bpe.count_text("hello world") == 2
     assert bpe.count_text("x" * 100_000) > 0  # long texts are counted in slices
+    assert counter_for_model("openai/gpt-4o-mini").name == bpe.name
     other = counter_for_model("llama-3-some-local-model")
     assert other.name == "heuristic"
     assert other.count_text("abcdefgh") == 2 and other.count_text("你好") == 2

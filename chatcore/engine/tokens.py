@@ -73,10 +73,13 @@ def _bpe_encoder(model: str) -> Any | None:
         import bpe_openai
     except ImportError:
         return None
-    try:
-        return bpe_openai.encoding_for_model(model)
-    except Exception:
-        return None
+    # Gateways often prefix the vendor (`openai/gpt-4o-mini`).
+    for name in dict.fromkeys((model, model.rsplit("/", 1)[-1])):
+        try:
+            return bpe_openai.encoding_for_model(name)
+        except Exception:  # noqa: S112 - an unknown model: try the next name, then the heuristic
+            continue
+    return None
 
 
 def counter_for_model(model: str) -> TokenCounter:

@@ -139,6 +139,8 @@ if __name__ == "__main__":
             "REDIS_URL": "",
             "LOG_LEVEL": "WARNING",
             "CHAT_RATE_LIMIT_PER_MINUTE": "1000000",
+            # One user drives every dialog here: measure the engine, not the F7 per-user cap.
+            "CHAT_USER_RUNNING_TURNS": "1000000",
             "CHAT_QUEUE_CAPACITY": "1000",
             "DJANGO_SETTINGS_MODULE": "chatcore.settings",
         }

@@ -239,6 +239,15 @@ CHAT: dict[str, Any] = {
     "SINK_RETRIES": 3,
     "SINK_BACKOFF_SECONDS": 0.2,
     "SINK_TIMEOUT_SECONDS": 10.0,
+    # F7 fairness: one user never degrades the others (see README "Configuration").
+    "USER_RUNNING_TURNS": _env_int("CHAT_USER_RUNNING_TURNS", 4),
+    "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),
+    "WRITE_RATE_PER_MINUTE": _env_int("CHAT_WRITE_RATE_PER_MINUTE", 120),
+    "USER_SOCKETS_MAX": _env_int("CHAT_USER_SOCKETS_MAX", 20),
+    "HISTORY_PAGE_MAX_BYTES": _env_int("CHAT_HISTORY_PAGE_MAX_BYTES", 1024 * 1024),
+    "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
+    "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
+    "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
 }
 
 # Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.
@@ -278,13 +287,16 @@ LLM: dict[str, Any] = {
     "READ_TIMEOUT": 120.0,
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
-    "POOL_SIZE": 20,
     # E5: cap on answer tokens per request (0 = what the window leaves after the input), and
     # the request field that carries it (`max_completion_tokens` for OpenAI's newer models).
     "MAX_TOKENS": _env_int("LLM_MAX_TOKENS", 0),
     "MAX_TOKENS_PARAM": _env_choice(
         "LLM_MAX_TOKENS_PARAM", ("max_tokens", "max_completion_tokens"), "max_tokens"
     ),
+    # STYLE 6: no cap on concurrent connections (CHAT_MODEL_CALLS_MAX bounds the calls), a
+    # small keep-alive pool, and a short wait for a pooled connection.
+    "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
+    "POOL_TIMEOUT": 5.0,
 }
 
 LOGGING = {

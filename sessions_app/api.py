@@ -51,7 +51,7 @@ from ninja import NinjaAPI, Query, Router, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 
-from chatcore.engine import background, clientstate, publish, runtime
+from chatcore.engine import background, clientstate, limits, publish, runtime
 from chatcore.engine.engine import Ack, Engine, Inbound
 from chatcore.engine.errors import ChatError, NotFound, ShuttingDown
 from chatcore.engine.ids import owner_chat_id
@@ -367,7 +367,7 @@ async def list_sessions(
 
 @router.post(
     "/sessions",
-    response={201: SessionOut, **ERRORS, 409: ErrorOut, 503: ErrorOut},
+    response={201: SessionOut, **ERRORS, 409: ErrorOut, 429: ErrorOut, 503: ErrorOut},
     summary="Create a dialog",
     description="Creates a dialog in one of the caller's own first-party chats (default: "
     "channel `api`, chat `u{user id}`, a new random dialog id). A chat id that is not the "
@@ -379,6 +379,7 @@ async def list_sessions(
 async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Status[Any]:
     user = _user(request)
     engine = await runtime.get_engine()
+    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
 
     def create() -> dict[str, Any]:
         chat_id = payload.chat_id or owner_chat_id(user.pk)
@@ -410,7 +411,7 @@ async def get_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
 
 @router.patch(
     "/sessions/{session_id}",
-    response={200: SessionOut, **ERRORS, 503: ErrorOut},
+    response={200: SessionOut, **ERRORS, 429: ErrorOut, 503: ErrorOut},
     summary="Rename a dialog",
     exclude_unset=True,
 )
@@ -419,6 +420,7 @@ async def rename_session(
 ) -> dict[str, Any]:
     user = _user(request)
     engine = await runtime.get_engine()
+    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
 
     def rename() -> dict[str, Any]:
         session = services.session_rename(session=_owned(user, session_id), title=payload.title)
@@ -429,13 +431,14 @@ async def rename_session(
 
 @router.delete(
     "/sessions/{session_id}",
-    response={204: None, **ERRORS, 503: ErrorOut},
+    response={204: None, **ERRORS, 429: ErrorOut, 503: ErrorOut},
     summary="Delete a dialog (hidden at once; a running turn ends as stale)",
 )
 async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     user = _user(request)
     session = await sync_to_async(_owned)(user, session_id)
     engine = await runtime.get_engine()
+    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
     await engine.cancel_for_delete(session)
     await sync_to_async(services.session_soft_delete)(session=session)
     response = HttpResponse(status=204)
@@ -583,7 +586,7 @@ async def continue_session(
 
 @router.post(
     "/sessions/{session_id}/compact",
-    response={202: CompactOut, **ERRORS, 503: ErrorOut},
+    response={202: CompactOut, **ERRORS, 429: ErrorOut, 503: ErrorOut},
     summary="Summarise older history in the background (B5)",
 )
 async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
@@ -592,6 +595,8 @@ async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
     engine = await runtime.get_engine()
     if engine.closing:
         raise ShuttingDown()
+    # F7: a compaction is model work, charged to the send rate.
+    await limits.acharge(user.pk, limits.SEND, engine.cfg)
     await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
     return Status(202, {"session_id": session.session_id, "accepted": True})
 

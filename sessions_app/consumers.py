@@ -21,6 +21,7 @@ from collections import deque
 from typing import Any
 from urllib.parse import parse_qs
 
+from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -37,7 +38,7 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, InternalError
+from chatcore.engine.errors import BadRequest, ChatError, InternalError, RateLimited
 from chatcore.engine.ids import owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
@@ -53,6 +54,9 @@ CLOSE_UNAUTHENTICATED = 4401
 # G5: the channel layer lost frames (a Redis restart): the client reconnects and resyncs
 # (like 1012 "service restart", which the WebSocket server library does not let us send).
 CLOSE_RESYNC = 4012
+# F7: a user's socket past CHAT["USER_SOCKETS_MAX"] gets a `rate_limited` error frame, then
+# this close code (429 as in HTTP).
+CLOSE_TOO_MANY_SOCKETS = 4429
 # Several `sessions_changed` events within this window produce one `sessions` frame.
 SESSIONS_COALESCE_SECONDS = 0.05
 # Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
@@ -128,6 +132,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # F8: the credential this connection rides on; once it ends, nothing more is sent.
     login: logins.Login | None = None
     login_over = False
+    registered = False
 
     # --- connection ------------------------------------------------------------------------
 
@@ -137,8 +142,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self.accept()
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
-        self.user = user
         self.language = _language(self.scope)
+        self.engine = await runtime.get_engine()
+        if not await self._register(user):
+            return
+        self.user = user
         self.relay = SnapshotRelay()
         self.ended: deque[str] = deque(maxlen=ENDED_TURNS_KEPT)
         self.sessions_pending = False
@@ -152,7 +160,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The current dialog was deleted elsewhere and no other was left: the next frame
         # that needs it resolves one as in B1.
         self.current_gone = False
-        self.engine = await runtime.get_engine()
         self.chat_id = owner_chat_id(user.pk)
         self.chat_group = publish.chat_group(CHANNEL, self.chat_id)
         self.login = self.scope.get("login")
@@ -172,6 +179,41 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._send_history(current)
         self.engine.layer_watch.register(self._layer_lost)
 
+    async def websocket_connect(self, message: dict[str, Any]) -> None:
+        try:
+            await super().websocket_connect(message)
+        except BaseException:
+            # A connect that failed half-way must not keep counting against the user (F7).
+            await self._unregister()
+            raise
+
+    async def _unregister(self) -> None:
+        if self.registered:
+            self.registered = False
+            await sync_to_async(self.engine.sockets.close, thread_sensitive=False)(
+                self.scope["user"].pk, self.channel_name
+            )
+
+    async def _register(self, user: User) -> bool:
+        """F7: count this socket among the user's open ones; past the bound, refuse it with
+        a `rate_limited` error frame and close code 4429."""
+        limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
+        opened = await sync_to_async(self.engine.sockets.open, thread_sensitive=False)(
+            user.pk, self.channel_name, limit
+        )
+        if opened:
+            self.registered = True
+            return True
+        await self.accept()
+        with translation.override(self.language):
+            refusal = RateLimited(
+                _("Too many open connections (at most %(n)d); close another tab or app first.")
+                % {"n": limit}
+            )
+        await self._send(error_frame(refusal, None))
+        await self.close(code=CLOSE_TOO_MANY_SOCKETS)
+        return False
+
     def _initial_dialog(self, requested: str | None) -> Session:
         """B1, with `?dialog_id=` picking a dialog when it exists."""
         assert self.user is not None
@@ -186,6 +228,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
+        await self._unregister()
         if self.user is None:
             return
         if self.login is not None:

@@ -205,7 +205,11 @@ class Turn(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["session", "number"], name="uniq_turn_number"),
         ]
-        indexes = [models.Index(fields=["session", "status", "number"], name="idx_turn_queue")]
+        indexes = [
+            models.Index(fields=["session", "status", "number"], name="idx_turn_queue"),
+            # F7: a user's running turns are counted at every claim.
+            models.Index(fields=["owner", "status"], name="idx_turn_owner_status"),
+        ]
         ordering = ["number"]
 
     def __str__(self) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet, Sum, Window
+from django.db.models.functions import Length
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -86,30 +87,85 @@ def dialog_most_recent_live(*, owner_id: int, channel: str, chat_id: str) -> Ses
     )
 
 
-def messages_page(
-    *, session_pk: str, before_seq: int | None = None, limit: int = HISTORY_PAGE_DEFAULT
+def message_size(message: Message) -> int:
+    """Bytes a message adds to a page, roughly as serialised (UTF-8 text and tool calls)."""
+    size = len(message.content.encode("utf-8", "replace")) + 200
+    if message.tool_calls:
+        size += len(str(message.tool_calls))
+    return size
+
+
+def _within_bytes(
+    rows: list[Message], limit: int, max_bytes: int | None
 ) -> tuple[list[Message], bool]:
-    """The most recent page of history (older than `before_seq` when given), oldest first."""
+    """The first rows (at most `limit`) that fit in `max_bytes` (F7: a page is bounded in
+    bytes as well as in messages), never fewer than one; and whether rows were left out."""
+    budget = int(settings.CHAT["HISTORY_PAGE_MAX_BYTES"]) if max_bytes is None else max_bytes
+    out: list[Message] = []
+    used = 0
+    for row in rows[:limit]:
+        used += message_size(row)
+        if out and used > budget:
+            return out, True
+        out.append(row)
+    return out, len(rows) > limit
+
+
+def messages_page(
+    *,
+    session_pk: str,
+    before_seq: int | None = None,
+    limit: int = HISTORY_PAGE_DEFAULT,
+    max_bytes: int | None = None,
+) -> tuple[list[Message], bool]:
+    """The most recent page of history (older than `before_seq` when given), oldest first,
+    within `limit` messages and `max_bytes` (default CHAT["HISTORY_PAGE_MAX_BYTES"])."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
     qs = Message.objects.filter(session_id=session_pk)
     if before_seq is not None:
         qs = qs.filter(seq__lt=before_seq)
-    rows = list(qs.order_by("-seq")[: limit + 1])
-    has_more = len(rows) > limit
-    return list(reversed(rows[:limit])), has_more
+    rows, has_more = _within_bytes(list(qs.order_by("-seq")[: limit + 1]), limit, max_bytes)
+    return list(reversed(rows)), has_more
 
 
 def messages_from(
-    *, session_pk: str, from_seq: int = 0, limit: int = HISTORY_PAGE_DEFAULT
+    *,
+    session_pk: str,
+    from_seq: int = 0,
+    limit: int = HISTORY_PAGE_DEFAULT,
+    max_bytes: int | None = None,
 ) -> tuple[list[Message], bool]:
-    """Messages with seq >= from_seq, ascending (API pagination, stable under appends)."""
+    """Messages with seq >= from_seq, ascending (API pagination, stable under appends),
+    within `limit` messages and `max_bytes`."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
     rows = list(
         Message.objects.filter(session_id=session_pk, seq__gte=from_seq).order_by("seq")[
             : limit + 1
         ]
     )
-    return rows[:limit], len(rows) > limit
+    return _within_bytes(rows, limit, max_bytes)
+
+
+def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) -> int:
+    """The seq after which the newest messages (past `after_seq`) hold at most about
+    `max_chars` characters: the boundary message is included, older ones are not. One query,
+    a running sum in the database (no rows are loaded), so a model input is read from a
+    window bounded by the model's context rather than by the dialog's length (F7)."""
+    first_over = (
+        Message.objects.filter(session_id=session_pk, seq__gt=after_seq)
+        .annotate(running=Window(Sum(Length("content")), order_by=F("seq").desc()))
+        .filter(running__gt=max_chars)
+        .order_by("-seq")
+        .values_list("seq", flat=True)
+        .first()
+    )
+    return after_seq if first_over is None else max(after_seq, first_over - 1)
+
+
+def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:
+    return Message.objects.filter(
+        session_id=session_pk, seq__gt=after_seq, seq__lte=through_seq
+    ).count()
 
 
 def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message]:

@@ -70,6 +70,10 @@ class FakeModelServer:
         self.requests: list[RecordedRequest] = []
         self.active = 0
         self.max_active = 0
+        # Concurrency per key (e.g. per user): `key_of(body)` names the key of a request.
+        self.key_of: Callable[[dict[str, Any]], str] | None = None
+        self.active_by_key: dict[str, int] = {}
+        self.max_active_by_key: dict[str, int] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -149,12 +153,20 @@ class FakeModelServer:
                     self.requests.append(record)
                     reply_src = self.replies.pop(0) if self.replies else self.default
                 reply = reply_src(body) if callable(reply_src) else reply_src
-                self.active += 1
-                self.max_active = max(self.max_active, self.active)
+                key = self.key_of(body) if self.key_of is not None else ""
+                with self._lock:
+                    self.active += 1
+                    self.max_active = max(self.max_active, self.active)
+                    self.active_by_key[key] = self.active_by_key.get(key, 0) + 1
+                    self.max_active_by_key[key] = max(
+                        self.max_active_by_key.get(key, 0), self.active_by_key[key]
+                    )
                 try:
                     keep = await self._respond(reply, record, reader, writer)
                 finally:
-                    self.active -= 1
+                    with self._lock:
+                        self.active -= 1
+                        self.active_by_key[key] -= 1
                 record.finished.set()
                 if not keep:
                     break

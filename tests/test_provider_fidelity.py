@@ -21,7 +21,7 @@ from chatcore.engine.provider import (
     OpenAIProvider,
     classify_stream_error,
 )
-from chatcore.engine.turns.builder import CONTINUE_INSTRUCTION, estimate_tokens
+from chatcore.engine.turns.builder import CONTINUE_INSTRUCTION
 from chatcore.engine.turns.outcome import FailureKind, present_failure
 from sessions_app import services
 from sessions_app.models import MessageKind, Role
@@ -453,8 +453,12 @@ async def test_max_tokens_is_what_the_window_leaves_after_the_input(
     await finish(rec, ack.turn_id)
     body = fake_model.turn_requests()[0].body
     window = settings.LLM["CONTEXT_WINDOW"]
-    estimate = estimate_tokens(body["messages"])
-    assert body["max_tokens"] == window - estimate - max(ANSWER_TOKEN_MARGIN, estimate // 4)
+    counter = engine.builder.counter
+    estimate = sum(counter.count_message(m) for m in body["messages"])
+    expected = window - estimate - max(ANSWER_TOKEN_MARGIN, estimate // 4)
+    # The engine counts the runtime block apart from the message it is appended to, which
+    # can differ from counting the joined text by a token or two.
+    assert abs(body["max_tokens"] - expected) <= 4
     assert "max_completion_tokens" not in body
 
 

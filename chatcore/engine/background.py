@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils.translation import gettext as _
 
 from sessions_app import services
@@ -243,6 +243,16 @@ def _compaction_input(session_pk: str) -> tuple[list[dict[str, str]], int, int] 
     return messages, through, session.generation
 
 
+def _compaction_input_off_thread(
+    session_pk: str,
+) -> tuple[list[dict[str, str]], int, int] | None:
+    try:
+        return _compaction_input(session_pk)
+    finally:
+        # A pool thread: do not leave its connection open behind it.
+        connection.close()
+
+
 def _commit_compaction(
     *, session_pk: str, through: int, generation: int, summary: str
 ) -> Session | None:
@@ -271,7 +281,8 @@ async def compact_session(
 async def _compact_session(
     session_pk: str, manual: bool, provider: ChatProvider | None
 ) -> int | None:
-    captured = await sync_to_async(_compaction_input)(session_pk)
+    # F7: reading a long history is not done on the one ORM thread that answers clients.
+    captured = await sync_to_async(_compaction_input_off_thread, thread_sensitive=False)(session_pk)
     session = await sync_to_async(Session.objects.filter(pk=session_pk).first)()
     if captured is None:
         if manual and session is not None:

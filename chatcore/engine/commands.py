@@ -20,6 +20,7 @@ from django.utils.translation import gettext_lazy
 from sessions_app import selectors, services
 from sessions_app.models import Session
 
+from . import limits
 from .errors import BadRequest, UnknownCommand
 from .ids import validate_part
 from .sessions import dialog_after_delete
@@ -89,6 +90,11 @@ async def run_command(ctx: CommandContext, text: str) -> CommandResult:
         raise UnknownCommand(
             _("Unknown command /%(name)s. Type /help for the list of commands.") % {"name": name}
         )
+    if name != "stop":
+        # F7: /compact starts model work (the send rate); every other command is a write
+        # (the second budget). /stop only ever reduces work and is never refused.
+        budget = limits.SEND if name == "compact" else limits.WRITE
+        await limits.acharge(ctx.owner.pk, budget, ctx.engine.cfg if ctx.engine else None)
     if args and not cmd.takes_args:
         raise BadRequest(
             _("/%(name)s takes no arguments. Usage: %(usage)s") % {"name": name, "usage": cmd.usage}

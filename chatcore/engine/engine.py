@@ -28,7 +28,6 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.cache import cache
 from django.db import DatabaseError, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -48,7 +47,7 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from . import background, lease, publish
+from . import background, lease, limits, publish
 from .delivery import DeliveryCoordinator, DeliveryHandle, Terminal, sink_for_channel
 from .errors import (
     BadRequest,
@@ -57,7 +56,6 @@ from .errors import (
     NothingToRetry,
     Overloaded,
     QueueFull,
-    RateLimited,
     ReadOnlyDialog,
     ShuttingDown,
     TooLarge,
@@ -177,6 +175,10 @@ class LocalTurn:
         return self.lease is None or self.lease.trusted
 
 
+# `_claim_next`: the dialog has queued turns but its owner has no free slot (F7).
+HELD_BACK = object()
+
+
 def _process_id() -> str:
     return f"{socket.gethostname()[:40]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -192,11 +194,14 @@ class Engine:
         name: str | None = None,
     ) -> None:
         self.process_id = name or _process_id()
-        self.provider = provider or provider_from_settings()
+        # F7: at most CHAT["MODEL_CALLS_MAX"] model calls of this process at once.
+        self.provider = limits.bounded(provider or provider_from_settings(), settings.CHAT)
         self.tools = tools or registry_from_settings()
         self.states = SessionStates()
         self.builder = builder or TurnInputBuilder(states=self.states)
         self.supervisor = TaskSupervisor(self.process_id)
+        # F7: open WebSockets per user, counted by the consumers of this process.
+        self.sockets = limits.SocketRegistry()
         # Optional filter of the dialogs this engine picks up by itself in sweeps (the terminal
         # channel only resumes its own chat).
         self.scope = scope
@@ -234,6 +239,8 @@ class Engine:
             if settings.SCALED:
                 self.supervisor.spawn("layer-watch", self.layer_watch.run(layer), daemon=True)
         self.supervisor.spawn("sweep", self._sweep_loop(), daemon=True)
+        # Load the tokenizer's tables now, off the loop, not in the first turn's build.
+        await asyncio.to_thread(lambda: self.builder.counter)
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Refuse new work, end running turns as interrupted (their queued successors stay
@@ -271,20 +278,6 @@ class Engine:
             )
         return content
 
-    def _check_rate(self, user_id: int) -> None:
-        limit = self.cfg["RATE_LIMIT_PER_MINUTE"]
-        now = time.time()
-        window = int(now // 60)
-        key = f"rl:send:{user_id}:{window}"
-        cache.add(key, 0, timeout=120)
-        try:
-            count = cache.incr(key)
-        except ValueError:
-            cache.set(key, 1, timeout=120)
-            count = 1
-        if count > limit:
-            raise RateLimited(retry_after=max(1.0, 60 - (now % 60)))
-
     async def submit(self, inbound: Inbound, session: Session) -> Ack:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         if self.closing:
@@ -304,8 +297,7 @@ class Engine:
         ):
             # A chat-app dialog linked read-only to this web user.
             raise ReadOnlyDialog()
-        # A cache call, not the ORM: keep it off the single database thread.
-        await sync_to_async(self._check_rate, thread_sensitive=False)(inbound.owner.pk)
+        await limits.acharge(inbound.owner.pk, limits.SEND, self.cfg)
         ack = await sync_to_async(self._admit)(inbound, session)
         if ack.turn_id is not None:
             await self.kick(session.pk)
@@ -501,6 +493,8 @@ class Engine:
         message again (a send dropped before it started never had one, so it gets it)."""
         if self.closing:
             raise ShuttingDown()
+        # F7: a retry starts model work, so it is charged to the send rate.
+        await limits.acharge(owner.pk, limits.SEND, self.cfg)
 
         def write() -> Ack:
             with transaction.atomic():
@@ -541,7 +535,7 @@ class Engine:
         clients join them. Charged to the send rate like a send."""
         if self.closing:
             raise ShuttingDown()
-        await sync_to_async(self._check_rate, thread_sensitive=False)(owner.pk)
+        await limits.acharge(owner.pk, limits.SEND, self.cfg)
 
         def write() -> Ack:
             with transaction.atomic():
@@ -610,12 +604,23 @@ class Engine:
             while not self.closing:
                 wake.clear()
                 turn = await sync_to_async(self._claim_next)(session_pk, held)
-                if turn is not None:
+                if isinstance(turn, Turn):
                     await self._run_turn(turn, held)
+                    await self._start_waiting(turn)
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
                 await sync_to_async(lease.release)(held)
+                if turn is HELD_BACK:
+                    # F7: the owner runs the most turns allowed. The queue waits, leaseless,
+                    # until one of the owner's turns ends (`_start_waiting`, any process) or
+                    # the sweep; a kick that came meanwhile means a slot may be free now.
+                    if wake.is_set():
+                        again = await sync_to_async(self._acquire_lease)(session_pk)
+                        if again is not None:
+                            held = self._leases[session_pk] = again
+                            continue
+                    break
                 if await sync_to_async(self._has_queued)(session_pk) or wake.is_set():
                     again = await sync_to_async(self._acquire_lease)(session_pk)
                     if again is not None:
@@ -673,15 +678,38 @@ class Engine:
         if wake is not None:
             wake.set()
 
+    async def _start_waiting(self, turn: Turn) -> None:
+        """F7: a turn ended; start the dialogs of its party (`limits.party`) held back by the
+        cap, oldest first (whichever process takes a dialog's lease runs it)."""
+        if self.closing:
+            return
+        try:
+            waiting = await sync_to_async(self._waiting_dialogs)(turn)
+        except Exception:
+            logger.exception("could not list dialogs waiting for a slot")
+            return
+        for pk in waiting:
+            await self.kick(pk)
+
+    def _waiting_dialogs(self, turn: Turn) -> list[str]:
+        pks = limits.waiting_dialogs(turn, self.cfg)
+        if self.scope is not None and pks:
+            allowed = set(
+                self.scope(Session.objects.filter(pk__in=pks)).values_list("pk", flat=True)
+            )
+            pks = [pk for pk in pks if pk in allowed]
+        return pks
+
     @staticmethod
     def _has_queued(session_pk: str) -> bool:
         return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
 
-    def _claim_next(self, session_pk: str, held: Lease) -> Turn | None:
+    def _claim_next(self, session_pk: str, held: Lease) -> Turn | object | None:
+        """The dialog's next queued turn, now running; None when the queue is empty, or
+        `HELD_BACK` when its owner already runs the most turns allowed (F7)."""
         return services.storage_retry(lambda: self._claim_once(session_pk, held), what="claim")
 
-    @staticmethod
-    def _claim_once(session_pk: str, held: Lease) -> Turn | None:
+    def _claim_once(self, session_pk: str, held: Lease) -> Turn | object | None:
         with transaction.atomic():
             held.check()
             turn = (
@@ -692,6 +720,9 @@ class Engine:
             )
             if turn is None:
                 return None
+            limits.lock_owner(turn.owner_id)
+            if not limits.turn_may_start(turn, self.cfg):
+                return HELD_BACK
             Turn.objects.filter(pk=turn.pk).update(
                 status=TurnStatus.RUNNING, started_at=timezone.now()
             )
@@ -848,7 +879,27 @@ class Engine:
         publisher = asyncio.get_running_loop().create_task(self._publish_snapshots(local))
         heartbeat = asyncio.get_running_loop().create_task(self._checkpoint_loop(local))
         try:
-            await asyncio.wait({run, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
+            # F7: a turn has an overall deadline; a model that trickles cannot hold the
+            # dialog's lease and a model slot forever.
+            deadline = float(self.cfg["TURN_DEADLINE_SECONDS"])
+            await asyncio.wait(
+                {run, cancel_wait}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not run.done() and not cancel_wait.done():
+                run.cancel()
+                try:
+                    await run
+                except asyncio.CancelledError:
+                    pass
+                logger.warning(
+                    "turn passed its deadline of %.0fs", deadline, extra={"turn_id": local.turn_id}
+                )
+                return Failed(
+                    FailureKind.TIMEOUT,
+                    "turn deadline",
+                    messages=runner.pending,
+                    partial=runner.partial,
+                )
             if not run.done():
                 # C6: cancelling the task closes the provider's HTTP stream at once.
                 run.cancel()
@@ -1149,6 +1200,8 @@ class Engine:
             try:
                 for pk in await sync_to_async(self._orphaned_sessions)():
                     await self.kick(pk)
+                if settings.SCALED:
+                    await sync_to_async(self.sockets.refresh, thread_sensitive=False)()
                 if (
                     not settings.SCALED
                     and time.monotonic() - last_evict >= self.cfg["CLEANUP_INTERVAL_SECONDS"]
@@ -1174,6 +1227,8 @@ class Engine:
         ).filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
         if self.scope is not None:
             qs = self.scope(qs)
+        # F7: dialogs of owners at their running-turn cap wait for one of those turns to end.
+        qs = limits.not_held_back(qs, self.cfg)
         return list(qs.values_list("pk", flat=True).distinct()[:100])
 
     # --- reading state for clients ---------------------------------------------------------

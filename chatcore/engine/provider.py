@@ -278,8 +278,9 @@ class OpenAIProvider:
         read_timeout: float = 120.0,
         max_retries: int = 3,
         retry_base_delay: float = 0.5,
-        pool_size: int = 20,
         max_tokens_param: str = "max_tokens",
+        max_keepalive_connections: int = 10,
+        pool_timeout: float = 5.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_tokens_param = max_tokens_param
@@ -290,12 +291,15 @@ class OpenAIProvider:
         self._api_key = api_key
         self.max_retries = max_retries
         self.retry_base_delay = retry_base_delay
-        # STYLE 6: a small keep-alive pool; httpcore scans it linearly under bursts.
+        # STYLE 6, F7: never cap concurrent connections (a streamed answer holds its
+        # connection for its whole length; the engine bounds model calls where it is visible),
+        # keep the keep-alive pool small (httpcore scans it linearly under bursts), and wait
+        # only briefly for a pooled connection.
         self._client = httpx.AsyncClient(
             transport=transport,
-            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout, pool=pool_timeout),
             limits=httpx.Limits(
-                max_connections=pool_size, max_keepalive_connections=min(pool_size, 10)
+                max_connections=None, max_keepalive_connections=max_keepalive_connections
             ),
         )
 
@@ -311,8 +315,9 @@ class OpenAIProvider:
             read_timeout=cfg["READ_TIMEOUT"],
             max_retries=cfg["MAX_RETRIES"],
             retry_base_delay=cfg["RETRY_BASE_DELAY"],
-            pool_size=cfg["POOL_SIZE"],
             max_tokens_param=cfg["MAX_TOKENS_PARAM"],
+            max_keepalive_connections=cfg["MAX_KEEPALIVE_CONNECTIONS"],
+            pool_timeout=cfg["POOL_TIMEOUT"],
         )
 
     async def aclose(self) -> None:

@@ -4,14 +4,18 @@ The database is the source of truth. The state kept here is a read-through cache
 dialog's history, validated against the dialog's revision (`last_seq`) and generation on every
 use, so several processes can share one database. It changes only after a write succeeded
 (A4), serves as the fallback when a read fails, and is evicted after the TTL unless the dialog
-has a running or queued turn (A6).
+has a running or queued turn (A6). It holds only what follows a dialog's last compaction and
+stays within a byte budget, least recently used dialogs first out (F7).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import sys
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -65,21 +69,60 @@ def dialog_after_delete(*, owner: User, channel: str, chat_id: str) -> Session:
     return services.session_create(owner=owner, channel=channel, chat_id=chat_id)
 
 
+def message_bytes(message: Message) -> int:
+    """What a cached message costs in memory, roughly: its text plus the model instance."""
+    size = sys.getsizeof(message.content) + MESSAGE_OVERHEAD_BYTES
+    if message.tool_calls:
+        size += len(str(message.tool_calls))
+    return size
+
+
+# A loaded Message instance (its __dict__, source, ids) beside its text.
+MESSAGE_OVERHEAD_BYTES = 1024
+
+
 @dataclass
 class SessionState:
     pk: str
     generation: int
     last_seq: int
+    # F7: only history after the last compaction is cached (messages with seq > base_seq).
+    base_seq: int = 0
     messages: list[Message] = field(default_factory=list)
+    size: int = 0
     last_used: float = field(default_factory=time.monotonic)
+
+    def set_messages(self, messages: list[Message]) -> None:
+        self.messages = messages
+        self.size = sum(message_bytes(m) for m in messages)
+
+    def extend(self, messages: list[Message]) -> None:
+        self.messages = self.messages + messages
+        self.size += sum(message_bytes(m) for m in messages)
+
+    def drop_through(self, seq: int) -> None:
+        """Forget what a newer compaction covers (messages are ordered by seq)."""
+        cut = bisect.bisect_right([m.seq for m in self.messages], seq)
+        if cut:
+            self.size -= sum(message_bytes(m) for m in self.messages[:cut])
+            self.messages = self.messages[cut:]
+        self.base_seq = seq
 
 
 class SessionStates:
-    """The per-process cache of dialog histories (A5, A6)."""
+    """The per-process cache of dialog histories (A5, A6), least recently used first out
+    when it holds more than `max_bytes` (F7)."""
 
-    def __init__(self) -> None:
-        self._states: dict[str, SessionState] = {}
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._states: OrderedDict[str, SessionState] = OrderedDict()
         self._lock = threading.Lock()
+        self._max_bytes = max_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        if self._max_bytes is not None:
+            return self._max_bytes
+        return int(settings.CHAT["HISTORY_CACHE_MAX_BYTES"])
 
     def __contains__(self, session_pk: str) -> bool:
         return session_pk in self._states
@@ -87,26 +130,41 @@ class SessionStates:
     def __len__(self) -> int:
         return len(self._states)
 
-    def history(self, session: Session) -> list[Message]:
-        """The dialog's stored history, loading only what this process has not seen (A5)."""
+    @property
+    def size(self) -> int:
+        """Bytes held, roughly (the sum of `message_bytes`)."""
+        with self._lock:
+            return sum(state.size for state in self._states.values())
+
+    def history(self, session: Session, *, after_seq: int = 0) -> list[Message]:
+        """The dialog's stored history after `after_seq` (the last compaction's end), loading
+        only what this process has not seen (A5)."""
         with self._lock:
             state = self._states.get(session.pk)
         try:
-            if state is None or state.generation != session.generation:
-                rows = selectors.messages_for_context(session_pk=session.pk)
+            if (
+                state is None
+                or state.generation != session.generation
+                or state.base_seq > after_seq
+            ):
+                rows = selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq)
                 state = SessionState(
                     pk=session.pk,
                     generation=session.generation,
                     last_seq=session.last_seq,
-                    messages=rows,
+                    base_seq=after_seq,
                 )
-            elif session.last_seq > state.last_seq:
-                # Only ever move forward: a session row older than the cache loads nothing.
-                rows = selectors.messages_for_context(
-                    session_pk=session.pk, after_seq=state.last_seq
-                )
-                state.messages = state.messages + rows
-                state.last_seq = session.last_seq
+                state.set_messages(rows)
+            else:
+                if state.base_seq < after_seq:
+                    state.drop_through(after_seq)
+                if session.last_seq > state.last_seq:
+                    # Only ever move forward: a session row older than the cache loads nothing.
+                    rows = selectors.messages_for_context(
+                        session_pk=session.pk, after_seq=max(state.last_seq, after_seq)
+                    )
+                    state.extend(rows)
+                    state.last_seq = session.last_seq
         except DatabaseError:
             if state is None:
                 raise
@@ -115,9 +173,21 @@ class SessionStates:
                 "history read failed; using in-memory state", extra={"session_id": session.pk}
             )
         state.last_used = time.monotonic()
+        messages = [m for m in state.messages if m.seq > after_seq]
         with self._lock:
             self._states[session.pk] = state
-        return list(state.messages)
+            self._states.move_to_end(session.pk)
+            self._enforce_budget()
+        return messages
+
+    def _enforce_budget(self) -> None:
+        """Evict least recently used states until the cache fits its byte budget (the lock
+        is held). A dialog larger than the whole budget is served but not kept."""
+        total = sum(state.size for state in self._states.values())
+        limit = self.max_bytes
+        while self._states and total > limit:
+            _pk, state = self._states.popitem(last=False)
+            total -= state.size
 
     def apply_appended(self, appended: services.Appended) -> None:
         """Record messages after their write succeeded (A4): never before."""
@@ -129,9 +199,11 @@ class SessionStates:
                 state.generation == appended.session.generation
                 and state.last_seq == appended.base_revision
             ):
-                state.messages = state.messages + appended.messages
+                state.extend(appended.messages)
                 state.last_seq = appended.revision
                 state.last_used = time.monotonic()
+                self._states.move_to_end(appended.session.pk)
+                self._enforce_budget()
             else:
                 # Another process wrote in between; reload lazily on next use.
                 del self._states[appended.session.pk]

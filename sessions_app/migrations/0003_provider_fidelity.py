@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0001_initial"),
+        ("sessions_app", "0002_fairness"),
     ]
 
     operations = [

@@ -2,12 +2,18 @@
 concurrently) + compacted history + this turn's messages, with one runtime-context block
 appended to the last user message. Overflow recovery goes through the same assembly with a
 tighter budget, so nothing is ever appended twice.
+
+Everything here that grows with the dialog runs in a worker thread, never on the event loop
+(F7): loading the history (after the last compaction only), converting it, counting and
+trimming. Each stored message is counted once (`TokenCache`, by message id) and trimming walks
+back from the newest message until the budget is spent, so a build is linear in the dialog.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,9 +23,11 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import connection
 
+from sessions_app import selectors
 from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
 
 from ..sessions import SessionStates
+from ..tokens import TokenCache, TokenCounter, counter_for_model
 from .outcome import PendingMessage
 
 logger = logging.getLogger(__name__)
@@ -31,19 +39,9 @@ SYSTEM_PROMPT = (
 )
 RUNTIME_MARKER = "\n\n[runtime context]\n"
 TRIMMED_NOTE = "\n[... trimmed for the model's context ...]"
-
-
-def estimate_tokens(messages: list[dict[str, Any]]) -> int:
-    """A conservative estimate: ~4 characters a token, CJK characters one token each, plus a
-    small overhead per message."""
-    total = 0
-    for m in messages:
-        text = str(m.get("content") or "")
-        if m.get("tool_calls"):
-            text += str(m["tool_calls"])
-        cjk = sum(1 for ch in text if "\u3000" <= ch <= "\u9fff" or "\uac00" <= ch <= "\ud7af")
-        total += cjk + (len(text) - cjk) // 4 + 4
-    return total
+# The read window: at most this many characters per token of the model's window are loaded
+# (newest first). Real text runs 3-5 characters a token; anything past 16 cannot fit anyway.
+WINDOW_CHARS_PER_TOKEN = 16
 
 
 def load_skills(folder: str | Path) -> str:
@@ -96,6 +94,16 @@ def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
     return data
 
 
+@dataclass
+class _Item:
+    """One message of the model input: its OpenAI form, the key its token count is cached
+    under (None: count it afresh), and whether it belongs to the turn being built."""
+
+    data: dict[str, Any]
+    key: Hashable | None
+    in_turn: bool = False
+
+
 CONTINUE_INSTRUCTION = (
     "Your previous answer was cut off because it reached the length limit. Continue it "
     "exactly where it stopped, without repeating anything already written and without any "
@@ -103,7 +111,7 @@ CONTINUE_INSTRUCTION = (
 )
 
 
-def _replay(body: list[dict[str, Any]], answers: dict[str, int], m: Message) -> None:
+def _replay(items: list[_Item], answers: dict[str, int], m: Message) -> None:
     """Add a stored message to the model input (E5): an empty assistant text is never
     replayed, and a continuation is joined to the answer it continues, so the model sees
     one answer, as the user does. `answers` maps answer message ids to their index."""
@@ -113,34 +121,41 @@ def _replay(body: list[dict[str, Any]], answers: dict[str, int], m: Message) -> 
     target = str((m.source or {}).get("continues") or "")
     if is_answer and target in answers:
         index = answers[target]
-        body[index] = {**body[index], "content": (body[index]["content"] or "") + m.content}
+        joined = items[index]
+        data = {**joined.data, "content": (joined.data["content"] or "") + m.content}
+        # The joined text is counted under the ids of all its parts.
+        key = (joined.key, m.pk) if joined.key is not None else None
+        items[index] = _Item(data, key)
         answers[str(m.id)] = index
         return
-    body.append(message_to_openai(m))
+    items.append(_Item(message_to_openai(m), m.pk))
     if is_answer:
-        answers[str(m.id)] = len(body) - 1
+        answers[str(m.id)] = len(items) - 1
 
 
-def _sanitize_tool_pairs(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
     """Keep the model input well formed: tool results need their call and the reverse (a
     cancelled turn may have stored one without the other)."""
-    answered = {m.get("tool_call_id") for m in items if m["role"] == "tool"}
+    answered = {it.data.get("tool_call_id") for it in items if it.data["role"] == "tool"}
     called: set[str] = set()
-    out: list[dict[str, Any]] = []
-    for m in items:
+    out: list[_Item] = []
+    for it in items:
+        m = it.data
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [c for c in m["tool_calls"] if c.get("id") in answered]
-            m = dict(m)
-            if calls:
-                m["tool_calls"] = calls
-                called.update(c["id"] for c in calls)
-            else:
-                m.pop("tool_calls")
-                if not m["content"]:
-                    continue
+            if len(calls) != len(m["tool_calls"]):
+                m = dict(m)
+                if calls:
+                    m["tool_calls"] = calls
+                else:
+                    m.pop("tool_calls")
+                    if not m["content"]:
+                        continue
+                it = _Item(m, None, it.in_turn)
+            called.update(c["id"] for c in calls)
         elif m["role"] == "tool" and m.get("tool_call_id") not in called:
             continue
-        out.append(m)
+        out.append(it)
     return out
 
 
@@ -152,11 +167,22 @@ class TurnInputBuilder:
         context_window: int | None = None,
         skills_dir: str | Path | None = None,
         system_prompt: str = SYSTEM_PROMPT,
+        counter: TokenCounter | None = None,
+        token_cache: TokenCache | None = None,
     ) -> None:
         self.states = states
         self.context_window = context_window or settings.LLM["CONTEXT_WINDOW"]
         self.skills = load_skills(skills_dir or settings.CHAT["SKILLS_DIR"])
         self.system_prompt = system_prompt
+        self._counter = counter
+        self.token_cache = token_cache or TokenCache(settings.CHAT["TOKEN_CACHE_ENTRIES"])
+
+    @property
+    def counter(self) -> TokenCounter:
+        """Resolved on first use, in a worker thread (loading the BPE tables takes a while)."""
+        if self._counter is None:
+            self._counter = counter_for_model(settings.LLM["MODEL"])
+        return self._counter
 
     async def prepare(
         self,
@@ -168,13 +194,16 @@ class TurnInputBuilder:
         budget_ratio: float | None = None,
     ) -> PreparedInput:
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
-        session, history, compaction = await sync_to_async(self._load_history)(session_pk)
+        session, history, compaction, skipped = await sync_to_async(
+            self._load_history, thread_sensitive=False
+        )(session_pk)
         # C7: memory and plan do not depend on each other; read them concurrently.
         notes, plan = await asyncio.gather(
             sync_to_async(_memory_notes, thread_sensitive=False)(session.owner_id),
             sync_to_async(_plan, thread_sensitive=False)(session_pk),
         )
-        return self.assemble(
+        # F7: conversion, counting and trimming grow with the dialog: off the event loop.
+        prepared = await sync_to_async(self.assemble, thread_sensitive=False)(
             session=session,
             history=history,
             compaction=compaction,
@@ -185,6 +214,9 @@ class TurnInputBuilder:
             exclude_turn_partials=exclude_turn_partials,
             budget=int(self.context_window * ratio),
         )
+        # Messages outside the read window were left out for the budget too.
+        prepared.dropped_for_budget += skipped
+        return prepared
 
     async def recover_after_overflow(
         self,
@@ -203,13 +235,32 @@ class TurnInputBuilder:
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
 
-    def _load_history(self, session_pk: str) -> tuple[Session, list[Message], Compaction | None]:
-        session = Session.objects.get(pk=session_pk)
-        history = self.states.history(session)
-        compaction = (
-            Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
-        )
-        return session, history, compaction
+    def _load_history(
+        self, session_pk: str
+    ) -> tuple[Session, list[Message], Compaction | None, int]:
+        """Runs on a pool thread, not the one ORM thread that answers every client (F7)."""
+        try:
+            session = Session.objects.get(pk=session_pk)
+            compaction = (
+                Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
+            )
+            through = compaction.through_seq if compaction else 0
+            # F7: read only the newest messages that could fit the model's window at all; a
+            # dialog longer than that costs one summing query, not one row per message.
+            window = selectors.messages_window_start(
+                session_pk=session_pk,
+                after_seq=through,
+                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+            )
+            skipped = 0
+            if window > through:
+                skipped = selectors.messages_count_between(
+                    session_pk=session_pk, after_seq=through, through_seq=window
+                )
+            history = self.states.history(session, after_seq=window)
+            return session, history, compaction, skipped
+        finally:
+            connection.close()
 
     def assemble(
         self,
@@ -241,44 +292,61 @@ class TurnInputBuilder:
                 }
             )
 
-        body: list[dict[str, Any]] = []
+        items: list[_Item] = []
         answers: dict[str, int] = {}
         for m in history:
             if m.seq <= through or m.kind == MessageKind.WELCOME or m.role == "system":
                 continue
             if exclude_turn_partials and m.status and str(m.turn_id) == exclude_turn_partials:
                 continue
-            _replay(body, answers, m)
-        turn_start = len(body)
-        body.extend(message_to_openai(p) for p in pending)
-        body = _sanitize_tool_pairs(body)
+            _replay(items, answers, m)
+        items.extend(_Item(message_to_openai(p), None, in_turn=True) for p in pending)
+        items = _sanitize_tool_pairs(items)
 
         # C8: trim oversized tool results of earlier turns, in the model input only.
         limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
-        for i, item in enumerate(body[:turn_start]):
-            if item["role"] == "tool" and len(item["content"]) > limit:
-                body[i] = {**item, "content": item["content"][:limit] + TRIMMED_NOTE}
+        for i, it in enumerate(items):
+            content = it.data["content"]
+            if not it.in_turn and it.data["role"] == "tool" and len(content) > limit:
+                key = ("trimmed", it.key) if it.key is not None else None
+                items[i] = _Item({**it.data, "content": content[:limit] + TRIMMED_NOTE}, key)
 
-        # Keep within budget by leaving out the oldest messages (never this turn's).
-        dropped = 0
-        while body and estimate_tokens(head + body) > budget and dropped < max(0, turn_start - 1):
-            body.pop(0)
-            dropped += 1
-        while body and body[0]["role"] == "tool":
-            body.pop(0)
-            dropped += 1
+        # Keep within budget by leaving out the oldest messages, never this turn's nor the
+        # last stored one (this turn's user message). Walking back from the newest message
+        # counts each message at most once, and only those that can still fit (STYLE 18).
+        counter, cache = self.counter, self.token_cache
+        total = sum(counter.count_message(h) for h in head)
+        keep = next((i for i, it in enumerate(items) if it.in_turn), len(items))
+        keep = max(0, keep - 1)
+        counts = [0] * len(items)
+        for i in range(keep, len(items)):
+            counts[i] = cache.count(counter, items[i].key, items[i].data)
+            total += counts[i]
+        start = keep
+        while start > 0:
+            count = cache.count(counter, items[start - 1].key, items[start - 1].data)
+            if total + count > budget:
+                break
+            start -= 1
+            counts[start] = count
+            total += count
+        while start < len(items) and items[start].data["role"] == "tool":
+            total -= counts[start]
+            start += 1
+        body = [it.data for it in items[start:]]
 
         # C7: the runtime context block, exactly once, on the last user message.
+        block = runtime.render()
         for i in range(len(body) - 1, -1, -1):
             if body[i]["role"] == "user":
-                body[i] = {**body[i], "content": body[i]["content"] + runtime.render()}
+                body[i] = {**body[i], "content": body[i]["content"] + block}
+                total += counter.count_text(block)
                 break
-        messages = head + body
         return PreparedInput(
-            messages=messages,
+            messages=head + body,
             base_generation=session.generation,
-            estimated_tokens=estimate_tokens(messages),
-            dropped_for_budget=dropped,
+            estimated_tokens=total,
+            dropped_for_budget=start,
             compacted_through=through,
         )
 

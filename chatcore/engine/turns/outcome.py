@@ -18,6 +18,8 @@ class FailureKind(StrEnum):
     TURN_PERSISTENCE = "turn_persistence"
     DELIVERY = "delivery"
     INTERRUPTED = "interrupted"
+    # F7: the turn ran past CHAT["TURN_DEADLINE_SECONDS"].
+    TIMEOUT = "timeout"
 
 
 @dataclass
@@ -108,6 +110,9 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
         FailureKind.DELIVERY: _("The answer could not be delivered."),
         FailureKind.INTERRUPTED: _(
             "The answer was interrupted because the server stopped. Please retry."
+        ),
+        FailureKind.TIMEOUT: _(
+            "The answer took too long and was stopped. Please retry, or ask for something shorter."
         ),
     }.get(FailureKind(kind), _("Something went wrong. Please retry."))
 

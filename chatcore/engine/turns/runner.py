@@ -27,7 +27,7 @@ from ..provider import (
     merge_usage,
 )
 from ..tools import ToolContext, ToolRegistry
-from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder, estimate_tokens
+from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
 from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class TurnRunner:
         self.pending.append(message)
         item = message_to_openai(message)
         messages.append(item)
-        self.input_tokens += estimate_tokens([item])
+        self.input_tokens += self.builder.counter.count_message(item)
 
     def _add_usage(self, usage: dict[str, Any]) -> None:
         merge_usage(self.usage, usage)

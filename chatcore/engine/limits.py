@@ -1,0 +1,333 @@
+"""Fairness limits (SPEC F3, F6, F7): one user never degrades the others.
+
+Every number comes from `settings.CHAT` (env `CHAT_*`); callers that started under other
+settings (an engine keeps the settings it started with) pass their own `cfg`:
+
+- two per-user budgets a minute: sends (`RATE_LIMIT_PER_MINUTE`; sends, retries, continues
+  and `/compact`) and other writes (`WRITE_RATE_PER_MINUTE`; dialog create, rename, delete
+  and slash commands). Counters live in the Django cache, so in scaled mode (Redis) they are
+  shared by every process;
+- running turns per user (`USER_RUNNING_TURNS`): checked in the database when a worker claims
+  a queued turn, so it holds across processes (`turn_may_start`); a dialog held back waits in
+  its queue and is started when one of the user's turns ends (`waiting_dialogs`) or by the
+  sweep once its owner has a free slot (`not_held_back`);
+- concurrent model calls of the process (`MODEL_CALLS_MAX`): `BoundedProvider` makes a call
+  wait for a slot instead of ever waiting on the HTTP pool;
+- open WebSockets per user (`USER_SOCKETS_MAX`): `SocketRegistry` (one per engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.cache import cache
+from django.db import connection
+from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery
+from django.db.models.functions import Coalesce
+
+from sessions_app.models import Session, Turn, TurnStatus
+
+from .errors import RateLimited
+from .ids import FIRST_PARTY_CHANNELS
+from .provider import ChatProvider, Completion, ProviderEvent
+
+logger = logging.getLogger(__name__)
+
+SEND = "send"
+WRITE = "write"
+_BUDGETS = {SEND: "RATE_LIMIT_PER_MINUTE", WRITE: "WRITE_RATE_PER_MINUTE"}
+
+
+# --- Rate budgets -------------------------------------------------------------------------
+
+
+def _cfg(cfg: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return settings.CHAT if cfg is None else cfg
+
+
+def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
+    """Count one request against the user's budget for this minute; over it raises
+    `RateLimited` with the seconds until the next minute (REST: `Retry-After`). A cache call:
+    run it off the event loop (`acharge`)."""
+    limit = int(_cfg(cfg)[_BUDGETS[budget]])
+    now = time.time()
+    key = f"rl:{budget}:{user_id}:{int(now // 60)}"
+    cache.add(key, 0, timeout=120)
+    try:
+        count = cache.incr(key)
+    except ValueError:
+        cache.set(key, 1, timeout=120)
+        count = 1
+    if count > limit:
+        message = None if budget == SEND else _write_message()
+        raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
+
+
+def _write_message() -> str:
+    from django.utils.translation import gettext as _
+
+    return _("Too many changes to your dialogs; slow down.")
+
+
+async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
+    from asgiref.sync import sync_to_async
+
+    # The cache, not the ORM: keep it off the single database thread.
+    await sync_to_async(charge, thread_sensitive=False)(user_id, budget, cfg)
+
+
+# --- Running turns per user (across processes) ----------------------------------------------
+
+
+def party(owner_id: int, channel: str, chat_id: str) -> Q:
+    """Who a running-turn slot belongs to, as a filter of `Turn`s: on first-party channels
+    (web, api, cli) the user, across those channels; on an external platform, one platform
+    chat (its account owns every chat of the platform, and one busy chat must not hold up
+    the others)."""
+    if channel in FIRST_PARTY_CHANNELS:
+        return Q(owner_id=owner_id, session__channel__in=FIRST_PARTY_CHANNELS)
+    return Q(owner_id=owner_id, session__channel=channel, session__chat_id=chat_id)
+
+
+def lock_owner(owner_id: int) -> None:
+    """Serialise claims of one user's turns (all processes): lock the user's row for the
+    claiming transaction, so two dialogs of one user never both take the last slot. SQLite
+    needs no lock: its write transactions already run one at a time."""
+    if connection.features.has_select_for_update:
+        User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
+
+
+def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
+    """F7, in the claiming transaction after `lock_owner`: the turn's party (`party`) has a
+    free slot, and no dialog of theirs that waits for one has an older head (so held-back
+    dialogs start in the order they were sent, never starved by a busy dialog's next turn).
+    One query: the party's running turns, and its other dialogs waiting with older turns."""
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
+    mine = party(turn.owner_id, turn.session.channel, turn.session.chat_id)
+    busy = Turn.objects.filter(mine, status=TurnStatus.RUNNING).values("session_id")
+    counts = Turn.objects.filter(
+        mine, status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
+    ).aggregate(
+        running=Count("pk", filter=Q(status=TurnStatus.RUNNING)),
+        older=Count(
+            "session_id",
+            distinct=True,
+            filter=Q(status=TurnStatus.QUEUED, received_at__lt=turn.received_at)
+            & ~Q(session_id=turn.session_id)
+            & ~Q(session_id__in=busy),
+        ),
+    )
+    running, older = counts["running"], counts["older"]
+    if running >= cap:
+        return False
+    # The order is a preference, the cap is not: with nothing of theirs running, start now
+    # (an older dialog nobody can run, e.g. outside a terminal engine's scope, never blocks).
+    return running == 0 or running + older < cap
+
+
+def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[str]:
+    """After `turn` ended: its party's dialogs with queued turns and none running, oldest
+    queued turn first, as many as the party has free slots: those to start now (any process
+    may take them). One query when nothing waits, the usual case."""
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
+    mine = party(turn.owner_id, turn.session.channel, turn.session.chat_id)
+    rows = list(
+        Turn.objects.filter(mine, status=TurnStatus.QUEUED)
+        .exclude(session__turns__status=TurnStatus.RUNNING)
+        .values("session_id")
+        .annotate(first=Min("received_at"))
+        .order_by("first")[:cap]
+    )
+    if not rows:
+        return []
+    free = cap - Turn.objects.filter(mine, status=TurnStatus.RUNNING).count()
+    return [r["session_id"] for r in rows[: max(0, free)]]
+
+
+def not_held_back(qs: QuerySet[Session], cfg: Mapping[str, Any] | None = None) -> QuerySet[Session]:
+    """Dialogs of `qs` except those whose party already runs the most turns allowed: the
+    sweep leaves those alone (they start when one of the party's turns ends). A dialog with
+    a turn still marked running stays in: it needs its recovery, whatever the count."""
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
+    running = Turn.objects.filter(status=TurnStatus.RUNNING)
+    capped_users = (
+        running.filter(session__channel__in=FIRST_PARTY_CHANNELS)
+        .values("owner_id")
+        .annotate(n=Count("pk"))
+        .filter(n__gte=cap)
+        .values("owner_id")
+    )
+    chat_running = (
+        running.filter(session__channel=OuterRef("channel"), session__chat_id=OuterRef("chat_id"))
+        .values("session__channel")
+        .annotate(n=Count("pk"))
+        .values("n")[:1]
+    )
+    held = Q(channel__in=FIRST_PARTY_CHANNELS, owner_id__in=capped_users) | (
+        ~Q(channel__in=FIRST_PARTY_CHANNELS) & Q(chat_running__gte=cap)
+    )
+    return qs.annotate(chat_running=Coalesce(Subquery(chat_running), 0)).exclude(
+        held & ~Q(pk__in=running.values("session_id"))
+    )
+
+
+# --- Model calls of the process -------------------------------------------------------------
+
+
+class BoundedProvider:
+    """Wraps a provider so at most `limit` model calls of this process stream at once; the
+    next waits for a slot (in its dialog's queue, as far as its client can tell), never on
+    the HTTP connection pool (F7)."""
+
+    def __init__(self, inner: ChatProvider, limit: int) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.limit = max(1, limit)
+        self._slots = asyncio.Semaphore(self.limit)
+        self.active = 0
+        self.max_active = 0
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def stream(
+        self,
+        *,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        purpose: str = "turn",
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[ProviderEvent]:
+        completion: Completion | None = None
+        async with self._slots:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            try:
+                async for event in self.inner.stream(
+                    messages=messages, tools=tools, purpose=purpose, max_tokens=max_tokens
+                ):
+                    if isinstance(event, Completion):
+                        # Hand the result over only once the call is over and its slot
+                        # free: a caller that stops iterating at the result holds nothing.
+                        completion = event
+                        continue
+                    yield event
+            finally:
+                self.active -= 1
+        if completion is not None:
+            yield completion
+
+
+def bounded(provider: ChatProvider, cfg: Mapping[str, Any] | None = None) -> ChatProvider:
+    if isinstance(provider, BoundedProvider):
+        return provider
+    return BoundedProvider(provider, int(_cfg(cfg)["MODEL_CALLS_MAX"]))
+
+
+# --- Open WebSockets per user ---------------------------------------------------------------
+
+
+class SocketRegistry:
+    """Open WebSockets per user (F7). In embedded mode a process-local count; in scaled mode
+    each connection is also a member of a per-user sorted set in Redis, scored by when it
+    stops counting (refreshed while it is open), so a crashed process's sockets stop counting
+    by themselves and the bound holds across processes."""
+
+    TTL_SECONDS = 90
+
+    def __init__(self) -> None:
+        self._local: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+        self._redis: Any = None
+
+    def _client(self) -> Any:
+        if not settings.SCALED:
+            return None
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(settings.REDIS_URL)
+        return self._redis
+
+    def open(self, user_id: int, conn_id: str, limit: int) -> bool:
+        """Register a connection; False (and nothing registered) when the user already has
+        `limit` open. Blocking I/O in scaled mode: call it off the event loop. With Redis
+        unreachable, the bound falls back to this process's count (G5: a Redis restart never
+        locks people out)."""
+        shared = self._open_shared(user_id, conn_id, limit)
+        with self._lock:
+            conns = self._local.setdefault(user_id, set())
+            if shared is False or (shared is None and len(conns) >= limit):
+                if not conns:
+                    del self._local[user_id]
+                return False
+            conns.add(conn_id)
+        return True
+
+    def _open_shared(self, user_id: int, conn_id: str, limit: int) -> bool | None:
+        """The cross-process answer, or None when there is none (embedded mode, Redis down)."""
+        client = self._client()
+        if client is None:
+            return None
+        key = f"ws:user:{user_id}"
+        now = time.time()
+        try:
+            pipe = client.pipeline()
+            pipe.zremrangebyscore(key, "-inf", now)
+            pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
+            pipe.zcard(key)
+            pipe.expire(key, self.TTL_SECONDS)
+            _removed, _added, count, _ttl = pipe.execute()
+            if count > limit:
+                client.zrem(key, conn_id)
+                return False
+            return True
+        except Exception:
+            logger.warning("socket registry: Redis unavailable; counting this process only")
+            return None
+
+    def close(self, user_id: int, conn_id: str) -> None:
+        with self._lock:
+            conns = self._local.get(user_id)
+            if conns is not None:
+                conns.discard(conn_id)
+                if not conns:
+                    del self._local[user_id]
+        client = self._client()
+        if client is not None:
+            try:
+                client.zrem(f"ws:user:{user_id}", conn_id)
+            except Exception:
+                # It stops counting by itself after TTL_SECONDS.
+                logger.warning("socket registry: could not remove a closed socket")
+
+    def refresh(self) -> None:
+        """Scaled mode: keep this process's open connections counted (called periodically)."""
+        client = self._client()
+        if client is None:
+            return
+        with self._lock:
+            local = {user: set(conns) for user, conns in self._local.items()}
+        if not local:
+            return
+        expires = time.time() + self.TTL_SECONDS
+        pipe = client.pipeline()
+        for user_id, conns in local.items():
+            key = f"ws:user:{user_id}"
+            pipe.zadd(key, dict.fromkeys(conns, expires))
+            pipe.expire(key, self.TTL_SECONDS)
+        pipe.execute()
+
+    def count(self, user_id: int) -> int:
+        with self._lock:
+            return len(self._local.get(user_id, ()))

@@ -1,0 +1,130 @@
+"""Token counting for the model input (C7, F7, STYLE 18).
+
+Counts come from a real BPE tokenizer when the model is one whose tables ship offline with
+`bpe-openai` (OpenAI's o200k/cl100k families: its wheels bundle the tables, nothing is
+downloaded at run time); any other model falls back to a conservative heuristic (~4 characters
+a token, CJK characters one token each). Either way a message is counted once: the count is
+kept in a bounded cache keyed by the message id, so building the next turn's input only counts
+what is new, and the builder's trimming is linear in the number of messages.
+
+Counting runs off the event loop (the builder calls it from a worker thread); a long text is
+counted in slices so no single call grows without bound.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from functools import lru_cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Per-message overhead of the chat format (role, separators), in tokens.
+MESSAGE_OVERHEAD = 4
+# Text is handed to the tokenizer in slices of this many characters (its own guard refuses
+# inputs past 1,000,000 characters; a split word costs at most a token per slice).
+SLICE_CHARS = 32_000
+
+
+def heuristic_count(text: str) -> int:
+    """A conservative estimate: ~4 characters a token, CJK characters one token each."""
+    cjk = sum(1 for ch in text if "\u3000" <= ch <= "\u9fff" or "\uac00" <= ch <= "\ud7af")
+    return cjk + (len(text) - cjk) // 4
+
+
+class TokenCounter:
+    """Counts the tokens of a text for one model. `calls` counts tokenizer invocations (one
+    per counted text), so callers and tests can check that work stays linear."""
+
+    def __init__(self, name: str, count: Callable[[str], int]) -> None:
+        self.name = name
+        self._count = count
+        self.calls = 0
+
+    def count_text(self, text: str) -> int:
+        self.calls += 1
+        if not text:
+            return 0
+        total = 0
+        for start in range(0, len(text), SLICE_CHARS):
+            piece = text[start : start + SLICE_CHARS]
+            try:
+                total += self._count(piece)
+            except Exception:
+                # A text the tokenizer refuses (e.g. lone surrogates) is still counted.
+                total += heuristic_count(piece)
+        return total
+
+    def count_message(self, item: dict[str, Any]) -> int:
+        """One OpenAI-format message: its content, its tool calls, and the format overhead."""
+        text = str(item.get("content") or "")
+        if item.get("tool_calls"):
+            text += json.dumps(item["tool_calls"], ensure_ascii=False)
+        return self.count_text(text) + MESSAGE_OVERHEAD
+
+
+@lru_cache(maxsize=8)
+def _bpe_encoder(model: str) -> Any | None:
+    try:
+        import bpe_openai
+    except ImportError:
+        return None
+    # Gateways often prefix the vendor (`openai/gpt-4o-mini`).
+    for name in dict.fromkeys((model, model.rsplit("/", 1)[-1])):
+        try:
+            return bpe_openai.encoding_for_model(name)
+        except Exception:  # noqa: S112 - an unknown model: try the next name, then the heuristic
+            continue
+    return None
+
+
+def counter_for_model(model: str) -> TokenCounter:
+    """The BPE counter of a known model, else the heuristic (documented in README)."""
+    encoder = _bpe_encoder(model)
+    if encoder is None:
+        return TokenCounter("heuristic", heuristic_count)
+    logger.debug("token counts for %s use %s", model, encoder.name)
+    return TokenCounter(f"bpe:{encoder.name}", lambda text: len(encoder.encode_ordinary(text)))
+
+
+class TokenCache:
+    """Counts of stored messages by message id (a message's content never changes), bounded
+    in entries with least-recently-used eviction. Thread-safe: builders of several dialogs
+    run in worker threads at once."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max(1, max_entries)
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def get(self, key: Hashable) -> int | None:
+        with self._lock:
+            value = self._counts.get(key)
+            if value is not None:
+                self._counts.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: int) -> None:
+        with self._lock:
+            self._counts[key] = value
+            self._counts.move_to_end(key)
+            while len(self._counts) > self.max_entries:
+                self._counts.popitem(last=False)
+
+    def count(self, counter: TokenCounter, key: Hashable | None, item: dict[str, Any]) -> int:
+        """The item's count, from the cache when `key` (a message id) was counted before."""
+        if key is None:
+            return counter.count_message(item)
+        full = (counter.name, key)
+        cached = self.get(full)
+        if cached is None:
+            cached = counter.count_message(item)
+            self.put(full, cached)
+        return cached

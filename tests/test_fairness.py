@@ -1,0 +1,668 @@
+"""Fairness: one user never degrades the others (SPEC F7), through the real engine, the real
+ASGI application and REST API, and the fake model server counting concurrent calls per user.
+
+- the model input of a long dialog is built off the event loop, counting each message once;
+- at most CHAT["USER_RUNNING_TURNS"] running turns per user (also across processes), the rest
+  waiting in order; a process-wide bound on model calls;
+- budgets: retry and /compact on the send rate, other writes on a second budget, open sockets
+  per user, history pages bounded in bytes;
+- the history cache's byte budget (LRU, after the last compaction) and the turn deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.cache import cache
+from django.test import override_settings
+
+from chatcore.engine import runtime
+from chatcore.engine.sessions import SessionStates
+from chatcore.engine.tokens import TokenCache, TokenCounter, counter_for_model, heuristic_count
+from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
+from sessions_app import services
+from sessions_app.models import Compaction, Message, MessageKind, Session, Turn, TurnStatus
+from tests.engine_helpers import chat_group_of, make_dialog, send
+from tests.fakemodel import Reply, strip_runtime
+from tests.test_api import bearer_api, engine_with, error_of
+from tests.test_ws_consumer import WS, bearer, open_ws
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
+
+
+def chat_cfg(**changes: Any) -> Any:
+    return override_settings(CHAT={**settings.CHAT, **changes})
+
+
+def fill_history(session: Session, n: int, *, size: int = 300, big_every: int = 0) -> int:
+    """Append n stored messages (user/assistant alternating; every `big_every`-th a 60,000
+    character inject) straight to the table, as a long-lived dialog would have them."""
+    start = Session.objects.get(pk=session.pk).last_seq
+    rows = []
+    for i in range(1, n + 1):
+        user_turn = i % 2 == 1
+        if big_every and i % big_every == 0:
+            content, kind = "inject " * 8570, MessageKind.INJECT
+        else:
+            content = f"message {i} " + "lorem ipsum " * (size // 12)
+            kind = MessageKind.USER_INPUT if user_turn else MessageKind.ASSISTANT
+        rows.append(
+            Message(
+                session_id=session.pk,
+                seq=start + i,
+                role="user" if user_turn or kind == MessageKind.INJECT else "assistant",
+                content=content,
+                source={"kind": kind},
+            )
+        )
+    Message.objects.bulk_create(rows, batch_size=2000)
+    Session.objects.filter(pk=session.pk).update(last_seq=start + n, total_message_count=start + n)
+    return start + n
+
+
+def last_user(body: dict[str, Any]) -> str:
+    users = [m for m in body["messages"] if m["role"] == "user"]
+    return strip_runtime(users[-1]["content"]) if users else ""
+
+
+async def ws_connect(user: Any) -> WS:
+    ws, connected = await open_ws(await bearer(user))
+    assert connected
+    assert (await ws.next())["type"] == "sessions"
+    assert (await ws.next())["type"] == "session_history"
+    return ws
+
+
+async def terminals(rec: Any, turn_ids: list[str], timeout: float = 60.0) -> dict[str, Any]:
+    wanted = set(turn_ids)
+    done: dict[str, Any] = {}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while wanted - set(done):
+        frame = await rec.next(max(0.05, deadline - loop.time()))
+        if frame["type"] == "turn_updated" and frame["turn_id"] in wanted:
+            done[frame["turn_id"]] = frame
+    return done
+
+
+# --- Item 1: long dialogs are built off the loop, counting each message once ---------------
+
+
+async def test_trimming_counts_each_message_once(user: Any) -> None:
+    # covers: F7, C7 (linear trimming; counts kept by message id)
+    session = await make_dialog(user)
+    await sync_to_async(fill_history)(session, 3000)
+    counter = TokenCounter("heuristic", heuristic_count)
+    builder = TurnInputBuilder(
+        states=SessionStates(), context_window=32768, counter=counter, token_cache=TokenCache(10**6)
+    )
+    runtime_info = RuntimeInfo(channel="web", dialog_id="default", title="t")
+    prepared = await builder.prepare(session_pk=session.pk, runtime=runtime_info)
+    budget = int(32768 * settings.CHAT["COMPACTION_BUDGET_RATIO"])
+    assert prepared.dropped_for_budget > 2000
+    assert prepared.estimated_tokens <= budget
+    kept = len(prepared.messages)
+    # The head, each kept message, the one that no longer fit, the runtime block: a
+    # quadratic trim would count ~N^2/2 messages here.
+    assert counter.calls <= kept + 2
+    # The estimate is the sum of what was sent (within rounding of the runtime block).
+    recount = sum(
+        TokenCounter("check", heuristic_count).count_message(m) for m in prepared.messages
+    )
+    assert abs(recount - prepared.estimated_tokens) <= 2
+    # The newest messages are kept, the oldest dropped.
+    assert prepared.messages[-1]["content"].startswith("message 3000 ")
+
+    # One more message: only it is new; everything else comes from the cache.
+    await sync_to_async(services.messages_append)(
+        session_pk=session.pk,
+        messages=[services.NewMessage(role="user", content="and one more", kind="user_input")],
+        publish_delta=False,
+    )
+    before = counter.calls
+    again = await builder.prepare(session_pk=session.pk, runtime=runtime_info)
+    assert counter.calls - before <= 3  # system prompt, the new message, the runtime block
+    assert strip_runtime(again.messages[-1]["content"]) == "and one more"
+
+    # Without trimming, every message is counted exactly once too.
+    wide = TokenCounter("wide", heuristic_count)
+    whole = TurnInputBuilder(
+        states=SessionStates(), context_window=10**9, counter=wide, token_cache=TokenCache(10**6)
+    )
+    full = await whole.prepare(session_pk=session.pk, runtime=runtime_info)
+    assert full.dropped_for_budget == 0
+    assert wide.calls == len(full.messages) + 1  # + the runtime block
+
+
+def test_a_long_dialog_is_read_through_a_window_bounded_by_the_model(user: Any) -> None:
+    # covers: F7 (rows read for a model input are bounded by the model's window, not the
+    # dialog's length; what lies outside counts as dropped, so compaction is asked for)
+    from sessions_app import selectors
+
+    session = services.session_create(
+        owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="window"
+    )
+    last = fill_history(session, 10, size=96)  # ~100 characters each
+    # The newest two hold 213 characters, the newest three 319.
+    start = selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=250)
+    assert start == last - 3  # the newest three: two within the bound, the boundary one
+    assert selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=10**9) == 0
+    # After a compaction the window never reaches back before it.
+    assert (
+        selectors.messages_window_start(session_pk=session.pk, after_seq=last - 1, max_chars=1)
+        == last - 1
+    )
+
+
+async def test_the_builder_reads_only_the_window_and_counts_the_rest_as_dropped(
+    user: Any,
+) -> None:
+    # covers: F7, C7
+    session = await make_dialog(user)
+    last = await sync_to_async(fill_history)(session, 4000)
+    states = SessionStates()
+    builder = TurnInputBuilder(states=states, context_window=4096)
+    prepared = await builder.prepare(
+        session_pk=session.pk, runtime=RuntimeInfo(channel="web", dialog_id="default", title="t")
+    )
+    # 4096 tokens x 16 characters: a few hundred of the 4000 messages were read and cached,
+    # not all (about 1.4 KB each as the cache counts them).
+    assert 0 < states.size < 500 * 1500
+    kept = len(prepared.messages) - 1  # the system prompt
+    # Every stored message is either sent or counted as left out (the old welcome among them).
+    assert kept + prepared.dropped_for_budget == last
+    assert prepared.messages[-1]["content"].startswith(f"message {last - 1} ") or prepared.messages[
+        -1
+    ]["content"].startswith(f"message {last - 2} ")
+
+
+def test_the_bpe_counter_knows_openai_models_and_falls_back_otherwise() -> None:
+    # covers: C7 (a real tokenizer where one ships offline; the heuristic elsewhere)
+    bpe = counter_for_model("gpt-4o-mini")
+    assert bpe.name.startswith("bpe:")
+    assert bpe.count_text("hello world") == 2
+    assert bpe.count_text("x" * 100_000) > 0  # long texts are counted in slices
+    assert counter_for_model("openai/gpt-4o-mini").name == bpe.name
+    other = counter_for_model("llama-3-some-local-model")
+    assert other.name == "heuristic"
+    assert other.count_text("abcdefgh") == 2 and other.count_text("你好") == 2
+
+
+async def test_sessions_answered_while_another_users_long_dialog_is_built(
+    make_engine: Any, fake_model: Any, user: Any, other_user: Any
+) -> None:
+    # covers: F7 (the event loop and the ORM thread stay free while a long dialog is built)
+    # A model with a large window: the build reads and trims thousands of messages.
+    with override_settings(LLM={**settings.LLM, "CONTEXT_WINDOW": 200_000}):
+        engine = await make_engine()
+    runtime.set_engine(engine)
+    try:
+        session = await make_dialog(user)
+        await sync_to_async(fill_history)(session, 12_000, big_every=600)
+        alice = await ws_connect(user)
+        bob = await ws_connect(other_user)
+        await alice.send({"type": "send", "content": "one more question", "client_msg_id": "a1"})
+        # The user message enters history when the turn starts; the input build follows.
+        await alice.until(
+            lambda f: (
+                f["type"] == "history_delta"
+                and any(m["content"] == "one more question" for m in f["messages"])
+            ),
+            timeout=30,
+        )
+        for i in range(3):
+            answer = await bob.ask({"type": "sessions", "client_msg_id": f"s{i}"})
+            assert answer["type"] == "sessions"
+            # Answered before the long build reached the model.
+            assert fake_model.turn_requests() == [], f"round trip {i} waited for the build"
+        done = await alice.until(lambda f: f["type"] == "turn_updated", timeout=120)
+        assert done[-1]["status"] == "completed"
+        sent = fake_model.turn_requests()[0].messages
+        assert 1000 < len(sent) < 12_000  # thousands of messages, trimmed to the budget
+        await alice.close()
+        await bob.close()
+    finally:
+        runtime.set_engine(None)
+
+
+# --- Item 2: running turns per user, model calls per process --------------------------------
+
+
+def _gated_for(prefix: str, gate: threading.Event) -> Any:
+    def reply(body: dict[str, Any]) -> Reply:
+        text = last_user(body)
+        return Reply(text=f"ok {text}", gate=gate if text.startswith(prefix) else None)
+
+    return reply
+
+
+async def test_one_user_runs_at_most_four_turns_and_others_still_start(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any, other_user: Any
+) -> None:
+    # covers: F7 (4 running turns per user; the rest wait in order, never refused)
+    gates = {f"A{i}": threading.Event() for i in range(10)}
+
+    def reply(body: dict[str, Any]) -> Reply:
+        text = last_user(body)
+        return Reply(text=f"ok {text}", gate=gates.get(text))
+
+    fake_model.default = reply
+    fake_model.key_of = lambda body: last_user(body)[:1]
+    engine = await make_engine()
+    dialogs = [await make_dialog(user, f"a{i}") for i in range(10)]
+    rec = await recorder(chat_group_of(dialogs[0]))
+    acks = [await send(engine, d, f"A{i}") for i, d in enumerate(dialogs)]
+    assert all(a.turn_id for a in acks)  # none refused
+    await fake_model.requests_made(4)
+
+    # Another user's turn starts and ends while six of the first user's sends wait.
+    other = await make_dialog(other_user, "b0")
+    other_rec = await recorder(chat_group_of(other))
+    ack_b = await send(engine, other, "B0")
+    done_b = await terminals(other_rec, [ack_b.turn_id])
+    assert done_b[ack_b.turn_id]["status"] == "completed"
+    started = [last_user(r.body) for r in fake_model.requests]
+    assert sorted(started) == ["A0", "A1", "A2", "A3", "B0"]
+
+    def statuses() -> list[str]:
+        return list(Turn.objects.filter(owner=user).values_list("status", flat=True))
+
+    now = await sync_to_async(statuses)()
+    assert now.count(TurnStatus.RUNNING) == 4 and now.count(TurnStatus.QUEUED) == 6
+
+    # Each answer that ends frees one slot, and the oldest waiting dialog takes it.
+    for k in range(6):
+        gates[f"A{k}"].set()
+        await fake_model.requests_made(6 + k)
+        assert last_user(fake_model.requests[-1].body) == f"A{k + 4}"
+    for gate in gates.values():
+        gate.set()
+    done = await terminals(rec, [a.turn_id for a in acks])
+    assert all(f["status"] == "completed" for f in done.values())
+    assert fake_model.max_active_by_key["A"] == 4
+    assert len(fake_model.requests) == 11
+
+
+async def test_the_running_turn_cap_holds_across_processes(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, G1 (the cap is counted in the database; waiting dialogs are started by
+    # whichever process ends a turn)
+    gate = threading.Event()
+    fake_model.default = _gated_for("A", gate)
+    fake_model.key_of = lambda body: last_user(body)[:1]
+    with chat_cfg(USER_RUNNING_TURNS=2):
+        first = await make_engine(name="proc-1")
+        second = await make_engine(name="proc-2")
+    dialogs = [await make_dialog(user, f"x{i}") for i in range(6)]
+    rec = await recorder(chat_group_of(dialogs[0]))
+    acks = []
+    for i, d in enumerate(dialogs):
+        acks.append(await send(first if i % 2 == 0 else second, d, f"A{i}"))
+    await fake_model.requests_made(2)
+    await asyncio.sleep(0.5)  # room for a third call, if the cap leaked
+    assert len(fake_model.requests) == 2
+    gate.set()
+    done = await terminals(rec, [a.turn_id for a in acks])
+    assert all(f["status"] == "completed" for f in done.values())
+    assert fake_model.max_active_by_key["A"] == 2
+    assert len(fake_model.requests) == 6
+
+
+async def test_on_an_external_platform_each_chat_has_its_own_slots(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, A1 (a platform account owns every chat of its bot: the cap is per chat)
+    gate = threading.Event()
+    fake_model.default = lambda body: Reply(text="ok", gate=gate)
+    with chat_cfg(USER_RUNNING_TURNS=1):
+        engine = await make_engine()
+
+    def external(chat_id: str, dialog_id: str) -> Session:
+        return services.session_create(
+            owner=user, channel="telegram", chat_id=chat_id, dialog_id=dialog_id
+        )
+
+    one = await sync_to_async(external)("1001", "default")
+    two = await sync_to_async(external)("1002", "default")
+    one_more = await sync_to_async(external)("1001", "other")
+    recs = [await recorder(chat_group_of(s)) for s in (one, two)]
+    acks = [await send(engine, s, f"hi {i}") for i, s in enumerate((one, two, one_more))]
+    await fake_model.requests_made(2)  # both chats run at once
+    await asyncio.sleep(0.3)  # room for a third call, if chat 1001's cap leaked
+    assert len(fake_model.requests) == 2
+    held = await sync_to_async(Turn.objects.get)(pk=acks[2].turn_id)
+    assert held.status == TurnStatus.QUEUED
+    gate.set()
+    done = await terminals(recs[0], [acks[0].turn_id, acks[2].turn_id])
+    done.update(await terminals(recs[1], [acks[1].turn_id]))
+    assert all(f["status"] == "completed" for f in done.values())
+
+
+async def test_a_held_back_dialog_is_started_by_the_sweep(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, C11 (the process whose turn ended cannot start the waiting dialog: it is
+    # shutting down; another process's sweep does)
+    gate = threading.Event()
+    fake_model.default = _gated_for("A0", gate)
+    with chat_cfg(USER_RUNNING_TURNS=1, LEASE_SECONDS=3):
+        first = await make_engine(name="proc-1")
+        second = await make_engine(name="proc-2")
+    d0, d1 = [await make_dialog(user, f"s{i}") for i in range(2)]
+    rec = await recorder(chat_group_of(d0))
+    a0 = await send(first, d0, "A0")
+    await fake_model.requests_made(1)
+    a1 = await send(second, d1, "A1")
+    await asyncio.sleep(0.3)  # room for a second call, if the cap leaked
+    assert len(fake_model.requests) == 1
+    queued = await sync_to_async(Turn.objects.get)(pk=a1.turn_id)
+    assert queued.status == TurnStatus.QUEUED
+    await first.shutdown(grace=2)
+    done = await terminals(rec, [a0.turn_id, a1.turn_id], timeout=30)
+    assert done[a0.turn_id]["status"] == "failed"
+    assert done[a1.turn_id]["status"] == "completed"
+
+
+async def test_model_calls_of_a_process_are_bounded(
+    make_engine: Any, fake_model: Any, recorder: Any, make_user: Any
+) -> None:
+    # covers: F7 (above the bound a turn waits for a slot, never on the HTTP pool)
+    gate = threading.Event()
+    fake_model.default = lambda body: Reply(text="ok", gate=gate)
+    with chat_cfg(MODEL_CALLS_MAX=2):
+        engine = await make_engine()
+    users = [await sync_to_async(make_user)() for _ in range(3)]
+    dialogs = [await make_dialog(u) for u in users]
+    recs = [await recorder(chat_group_of(d)) for d in dialogs]
+    acks = [await send(engine, d, f"hello {i}") for i, d in enumerate(dialogs)]
+    await fake_model.requests_made(2)
+    await asyncio.sleep(0.5)  # room for a third call, if the bound leaked
+    assert len(fake_model.requests) == 2
+    gate.set()
+    for rec, ack in zip(recs, acks, strict=True):
+        done = await terminals(rec, [ack.turn_id])
+        assert done[ack.turn_id]["status"] == "completed"
+    assert fake_model.max_active == 2
+
+
+def test_the_provider_client_does_not_cap_connections() -> None:
+    # covers: F7, STYLE 6 (no max_connections; a small keep-alive pool; a short pool wait)
+    from chatcore.engine.provider import OpenAIProvider
+
+    provider = OpenAIProvider(base_url="http://127.0.0.1:9/v1", model="m")
+    pool = provider._client._transport._pool  # type: ignore[attr-defined]
+    assert pool._max_connections == sys.maxsize  # httpx's max_connections=None
+    assert pool._max_keepalive_connections == settings.LLM["MAX_KEEPALIVE_CONNECTIONS"]
+    assert provider._client.timeout.pool == settings.LLM["POOL_TIMEOUT"]
+
+
+# --- Item 3: budgets -----------------------------------------------------------------------
+
+
+async def test_rest_writes_have_their_own_budget(engine: Any, make_engine: Any, user: Any) -> None:
+    # covers: F7 (create, rename, delete: 429 rate_limited with Retry-After past the budget)
+    await sync_to_async(cache.clear)()
+    api = await bearer_api(user)
+    async with engine_with(make_engine, WRITE_RATE_PER_MINUTE=3):
+        made = await api.create(dialog_id="w1")
+        status, _ = await api.patch(f"/sessions/{made['session_id']}", {"title": "renamed"})
+        assert status == 200
+        status, _ = await api.delete(f"/sessions/{made['session_id']}")
+        assert status == 204
+        status, data, response = await api.call("POST", "/sessions", {"dialog_id": "w2"})
+        error_of(status, data, 429, "rate_limited")
+        assert 1 <= int(response["Retry-After"]) <= 60
+        # The refused create changed nothing; sends have their own budget.
+        count = await sync_to_async(Session.objects.filter(owner=user, dialog_id="w2").count)()
+        assert count == 0
+    await sync_to_async(cache.clear)()
+
+
+async def test_rest_compact_and_retry_are_charged_to_the_send_rate(
+    engine: Any, make_engine: Any, fake_model: Any, user: Any
+) -> None:
+    # covers: F7
+    await sync_to_async(cache.clear)()
+    api = await bearer_api(user)
+    made = await api.create(dialog_id="c1")
+    sid = made["session_id"]
+    fake_model.script(Reply(status=400, error={"error": {"message": "bad"}}))
+    async with engine_with(make_engine, RATE_LIMIT_PER_MINUTE=1):
+        ack = await api.send(sid, "fails")
+        assert (await api.turn_done(ack["turn_id"]))["status"] == "failed"
+        status, data, response = await api.call("POST", f"/sessions/{sid}/retry", {})
+        error_of(status, data, 429, "rate_limited")
+        assert int(response["Retry-After"]) >= 1
+        status, data = await api.post(f"/sessions/{sid}/compact")
+        error_of(status, data, 429, "rate_limited")
+    turns = await sync_to_async(Turn.objects.filter(session__owner=user).count)()
+    assert turns == 1  # the refused retry opened no turn
+    await sync_to_async(cache.clear)()
+
+
+async def test_ws_commands_use_the_write_budget_and_stop_is_never_refused(
+    engine: Any, make_engine: Any, user: Any
+) -> None:
+    # covers: F7, B3
+    await sync_to_async(cache.clear)()
+    async with engine_with(make_engine, WRITE_RATE_PER_MINUTE=2):
+        ws = await ws_connect(user)
+        assert (await ws.ask({"type": "send", "content": "/help", "client_msg_id": "h"}))[
+            "type"
+        ] == "command_result"
+        assert (await ws.ask({"type": "send", "content": "/new spare", "client_msg_id": "n"}))[
+            "type"
+        ] == "command_result"
+        await ws.drain()
+        refused = await ws.ask({"type": "send", "content": "/rename x", "client_msg_id": "r"})
+        assert refused["type"] == "error" and refused["code"] == "rate_limited"
+        assert refused["retry_after"] > 0
+        stopped = await ws.ask({"type": "stop", "client_msg_id": "s"})
+        assert stopped["type"] == "command_result" and stopped["command"] == "stop"
+        # Sends have their own budget.
+        sent = await ws.ask({"type": "send", "content": "still here", "client_msg_id": "m"})
+        assert sent["type"] == "queued"
+        titles = await sync_to_async(
+            lambda: list(Session.objects.filter(owner=user).values_list("title", flat=True))
+        )()
+        assert "x" not in titles
+        await ws.close()
+    await sync_to_async(cache.clear)()
+
+
+async def test_ws_retry_and_compact_are_charged_to_the_send_rate(
+    engine: Any, make_engine: Any, fake_model: Any, user: Any
+) -> None:
+    # covers: F7
+    await sync_to_async(cache.clear)()
+    fake_model.script(Reply(status=400, error={"error": {"message": "bad"}}))
+    async with engine_with(make_engine, RATE_LIMIT_PER_MINUTE=1):
+        ws = await ws_connect(user)
+        queued = await ws.ask({"type": "send", "content": "fails", "client_msg_id": "f"})
+        await ws.until(lambda f: f["type"] == "turn_updated" and f["turn_id"] == queued["turn_id"])
+        retry = await ws.ask({"type": "retry", "client_msg_id": "r"})
+        assert retry["type"] == "error" and retry["code"] == "rate_limited"
+        compact = await ws.ask({"type": "send", "content": "/compact", "client_msg_id": "c"})
+        assert compact["type"] == "error" and compact["code"] == "rate_limited"
+        await ws.close()
+    assert await sync_to_async(Turn.objects.count)() == 1
+    await sync_to_async(cache.clear)()
+
+
+async def test_open_sockets_per_user_are_bounded(
+    engine: Any, make_engine: Any, user: Any, other_user: Any
+) -> None:
+    # covers: F7 (the socket past the bound: a rate_limited error frame, then close 4429)
+    async with engine_with(make_engine, USER_SOCKETS_MAX=2):
+        first = await ws_connect(user)
+        second = await ws_connect(user)
+        third, connected = await open_ws(await bearer(user))
+        assert connected  # accepted, told why, then closed
+        refusal = json.loads(await third.comm.receive_from(10))
+        assert refusal["type"] == "error" and refusal["code"] == "rate_limited"
+        closed = await third.comm.receive_output(10)
+        assert closed == {"type": "websocket.close", "code": 4429}
+        # Another user is not affected.
+        bob = await ws_connect(other_user)
+        # A closed socket frees its place.
+        await first.close()
+        again = await ws_connect(user)
+        await again.close()
+        await second.close()
+        await bob.close()
+
+
+@pytest.mark.redis
+def test_the_socket_bound_holds_across_processes(redis_url: str) -> None:
+    # covers: F7, G1 (scaled mode: sockets of every process count; a dead process's expire)
+    import time
+
+    import redis
+
+    from chatcore.engine.limits import SocketRegistry
+
+    redis.Redis.from_url(redis_url).delete("ws:user:424242")
+    with override_settings(SCALED=True, REDIS_URL=redis_url):
+        one, two = SocketRegistry(), SocketRegistry()
+        assert one.open(424242, "c1", 2)
+        assert two.open(424242, "c2", 2)
+        assert not one.open(424242, "c3", 2)
+        two.close(424242, "c2")
+        assert one.open(424242, "c3", 2)
+        # A process that dies stops refreshing its sockets; they stop counting.
+        one.TTL_SECONDS = 1
+        one.refresh()
+        time.sleep(1.5)
+        assert two.open(424242, "c4", 2)
+        assert two.open(424242, "c5", 2)
+        assert not two.open(424242, "c6", 2)
+    redis.Redis.from_url(redis_url).delete("ws:user:424242")
+
+
+def test_the_socket_bound_falls_back_to_the_process_when_redis_is_down() -> None:
+    # covers: F7, G5 (an unreachable Redis never locks people out, nor lifts the bound)
+    from chatcore.engine.limits import SocketRegistry
+
+    with override_settings(SCALED=True, REDIS_URL="redis://127.0.0.1:1/0"):
+        registry = SocketRegistry()
+        assert registry.open(7, "c1", 2)
+        assert registry.open(7, "c2", 2)
+        assert not registry.open(7, "c3", 2)
+        registry.close(7, "c1")
+        assert registry.open(7, "c3", 2)
+        assert registry.count(7) == 2
+
+
+async def test_history_pages_are_bounded_in_bytes(engine: Any, user: Any) -> None:
+    # covers: F7 (fewer messages and has_more=true when a page would pass the byte bound)
+    session = await make_dialog(user)
+    await sync_to_async(fill_history)(session, 10, size=4000)
+    with chat_cfg(HISTORY_PAGE_MAX_BYTES=10_000):
+        ws = await ws_connect(user)
+        page = await ws.ask({"type": "history", "limit": 500, "client_msg_id": "h"})
+        assert page["type"] == "session_history"
+        assert 1 <= len(page["messages"]) <= 3 and page["has_more"] is True
+        assert page["messages"][-1]["content"].startswith("message 10 ")  # the newest
+        await ws.close()
+
+        api = await bearer_api(user)
+        status, data = await api.get(f"/sessions/{session.session_id}/messages", limit=500)
+        assert status == 200 and data["has_more"] is True
+        assert 1 <= len(data["messages"]) <= 3
+        status, rest = await api.get(
+            f"/sessions/{session.session_id}/messages", from_seq=data["next_from_seq"]
+        )
+        assert rest["messages"][0]["seq"] == data["next_from_seq"]
+
+    with chat_cfg(HISTORY_PAGE_MAX_BYTES=10):
+        # One message larger than the whole bound still comes, alone: pages always move on.
+        status, data = await api.get(f"/sessions/{session.session_id}/messages", limit=500)
+        assert len(data["messages"]) == 1 and data["has_more"] is True
+
+
+# --- Item 8: the history cache's budget, the turn deadline ----------------------------------
+
+
+async def test_history_cache_has_a_byte_budget_and_skips_compacted_history(user: Any) -> None:
+    # covers: F7, A5 (LRU within a byte budget; only what follows the last compaction)
+    dialogs = [await make_dialog(user, f"h{i}") for i in range(3)]
+    for d in dialogs:
+        await sync_to_async(fill_history)(d, 200, size=2000)
+
+    def fresh(session: Session) -> Session:
+        return Session.objects.get(pk=session.pk)
+
+    probe = SessionStates(max_bytes=10**9)
+    await sync_to_async(probe.history)(await sync_to_async(fresh)(dialogs[0]))
+    one = probe.size
+    states = SessionStates(max_bytes=int(one * 2.5))
+    for d in dialogs[:2]:
+        await sync_to_async(states.history)(await sync_to_async(fresh)(d))
+    # Use the first again, then load the third: the least recently used (second) goes.
+    await sync_to_async(states.history)(await sync_to_async(fresh)(dialogs[0]))
+    await sync_to_async(states.history)(await sync_to_async(fresh)(dialogs[2]))
+    assert dialogs[0].pk in states and dialogs[2].pk in states
+    assert dialogs[1].pk not in states
+    assert states.size <= int(one * 2.5)
+
+    # A compaction through seq 150: only the 51 messages after it are kept.
+    await sync_to_async(Compaction.objects.create)(
+        session_id=dialogs[0].pk, through_seq=150, summary="earlier"
+    )
+    builder = TurnInputBuilder(states=states, context_window=10**9)
+    prepared = await builder.prepare(
+        session_pk=dialogs[0].pk, runtime=RuntimeInfo(channel="web", dialog_id="h0", title="t")
+    )
+    assert prepared.compacted_through == 150
+    rows = await sync_to_async(states.history)(
+        await sync_to_async(fresh)(dialogs[0]), after_seq=150
+    )
+    assert [m.seq for m in rows] == list(range(151, 202))
+    assert states.size < one * 2  # the compacted part left the cache
+
+
+async def test_a_trickling_model_ends_the_turn_at_its_deadline(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7, C9, C10 (failed with kind timeout, partial kept, lease released)
+    with chat_cfg(TURN_DEADLINE_SECONDS=1):
+        engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="slowly", endless=True))
+    ack = await send(engine, session, "take your time")
+    done = await terminals(rec, [ack.turn_id], timeout=30)
+    frame = done[ack.turn_id]
+    assert frame["status"] == "failed" and frame["error"]["kind"] == "timeout"
+    assert "too long" in frame["error"]["message"]
+    request = (await fake_model.requests_made(1))[0]
+    assert await asyncio.to_thread(request.aborted.wait, 10), "the model stream stayed open"
+    await engine.wait_idle()
+    row = await sync_to_async(Session.objects.get)(pk=session.pk)
+    assert row.lease_owner == "" and row.lease_expires_at is None
+    last = await sync_to_async(lambda: Message.objects.filter(session=session).last())()
+    assert last is not None and last.status == "interrupted" and last.content.startswith("slowly")
+    # The dialog goes on.
+    fake_model.default = lambda body: Reply(text="quick")
+    ack2 = await send(engine, session, "again")
+    assert (await terminals(rec, [ack2.turn_id]))[ack2.turn_id]["status"] == "completed"
+
+
+def test_timeout_failures_are_translated() -> None:
+    # covers: F5, C10
+    from django.utils import translation
+
+    from chatcore.engine.turns.outcome import FailureKind, present_failure
+
+    english = present_failure(FailureKind.TIMEOUT)
+    with translation.override("zh-hans"):
+        chinese = present_failure(FailureKind.TIMEOUT)
+    assert english != chinese and chinese

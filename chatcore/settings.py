@@ -239,6 +239,9 @@ CHAT: dict[str, Any] = {
     "SINK_RETRIES": 3,
     "SINK_BACKOFF_SECONDS": 0.2,
     "SINK_TIMEOUT_SECONDS": 10.0,
+    # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
+    # paths of functions taking the engine, which spawn supervised tasks on it.
+    "ENGINE_SERVICES": [],
 }
 
 # Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.
@@ -264,6 +267,10 @@ if CHATAPPS["telegram"]["BOT_TOKEN"]:
     CHAT["SINKS"]["telegram"] = "sessions_app.chatapps.telegram.TelegramSink"
 if CHATAPPS["feishu"]["APP_ID"] and CHATAPPS["feishu"]["APP_SECRET"]:
     CHAT["SINKS"]["feishu"] = "sessions_app.chatapps.feishu.FeishuSink"
+if CHAT["SINKS"]:
+    # D4, C11: answers a dead process left open are closed from the start, not only once a
+    # platform's first message after a restart arrives.
+    CHAT["ENGINE_SERVICES"].append("sessions_app.chatapps.start_adapters")
 
 # `make run`: the port to serve on and the demo login it makes sure exists.
 PORT = _env_int("PORT", 8000)

@@ -695,6 +695,64 @@ async def test_the_telegram_poll_command_answers_and_stops_on_sigterm(
     assert runtime._engine is None
 
 
+async def test_the_telegram_poll_command_closes_an_answer_left_open_without_any_update(
+    fake_telegram: FakeTelegram,
+) -> None:
+    # covers: C11, D4 (the poller's engine closes a dead process's answer from the start)
+    import os
+    import signal
+
+    from sessions_app.management.commands.telegram_poll import Command
+
+    past = timezone.now() - timedelta(seconds=60)
+    with override_settings(**telegram_settings(fake_telegram)):
+
+        def crashed_state() -> Turn:
+            ctx = store.chat_context(
+                channel="telegram",
+                chat_id="42",
+                is_group=False,
+                chat_title="",
+                sender_id="7",
+                sender_name="Ann",
+            )
+            Session.objects.filter(pk=ctx.current.pk).update(
+                lease_owner="dead-process", lease_expires_at=past, turn_counter=1
+            )
+            return Turn.objects.create(
+                session_id=ctx.current.pk,
+                owner_id=ctx.owner.pk,
+                number=1,
+                content="long question",
+                status="running",
+                started_at=past,
+                partial_text="Half an answer",
+            )
+
+        turn = await sync_to_async(crashed_state)()
+        sink = telegram.TelegramSink()
+        handle = await sink.open({"chat_id": "42", "turn_id": str(turn.pk), "reply_to": None})
+        handle.interval = 0
+        await sink.update(handle, "Half an answer")
+        await handle.client.aclose()
+
+        def closed() -> bool:
+            return any(
+                m.message_id == handle.message_id and "⚠" in m.text
+                for m in fake_telegram.bot_messages()
+            )
+
+        task = asyncio.ensure_future(Command()._run(1))
+        try:
+            await fake_telegram.wait_for(closed, timeout=60)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(task, 30)
+    assert fake_telegram.updates == []
+    message = next(m for m in fake_telegram.bot_messages() if m.message_id == handle.message_id)
+    assert message.text.startswith("Half an answer")
+
+
 async def test_replies_follow_the_senders_language(bot: Bot) -> None:
     # covers: F5 (Telegram tells the sender's language)
     update, _ = await bot.say("/frobnicate", language_code="zh-hans")

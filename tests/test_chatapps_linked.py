@@ -23,7 +23,7 @@ from tests.test_api import Api, issue_token
 from tests.test_chatapps_telegram import Bot, turns
 from tests.test_ws_consumer import WS, bearer, open_ws
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 # The Telegram bot fixtures: the fake Bot API server, the engine and the webhook client.
 fake_telegram = telegram_tests.fake_telegram

@@ -128,6 +128,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
     # F8: the credential this connection rides on; once it ends, nothing more is sent.
     login: logins.Login | None = None
     login_over = False
+    # Chat groups of the chat-app dialogs linked to this user (their deltas and terminals).
+    linked_groups: frozenset[str] = frozenset()
 
     # --- connection ------------------------------------------------------------------------
 
@@ -152,8 +154,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The current dialog was deleted elsewhere and no other was left: the next frame
         # that needs it resolves one as in B1.
         self.current_gone = False
-        # Chat groups of the chat-app dialogs linked to this user (their deltas and terminals).
-        self.linked_groups: set[str] = set()
         self.engine = await runtime.get_engine()
         self.chat_id = owner_chat_id(user.pk)
         self.chat_group = publish.chat_group(CHANNEL, self.chat_id)
@@ -261,7 +261,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self.channel_layer.group_add(group, self.channel_name)
         for group in self.linked_groups - groups:
             await self.channel_layer.group_discard(group, self.channel_name)
-        self.linked_groups = groups
+        self.linked_groups = frozenset(groups)
 
     async def _send_history(
         self,

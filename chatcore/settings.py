@@ -248,6 +248,9 @@ CHAT: dict[str, Any] = {
     "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
     "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
     "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
+    # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
+    # paths of functions taking the engine, which spawn supervised tasks on it.
+    "ENGINE_SERVICES": [],
 }
 
 # Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.
@@ -273,6 +276,10 @@ if CHATAPPS["telegram"]["BOT_TOKEN"]:
     CHAT["SINKS"]["telegram"] = "sessions_app.chatapps.telegram.TelegramSink"
 if CHATAPPS["feishu"]["APP_ID"] and CHATAPPS["feishu"]["APP_SECRET"]:
     CHAT["SINKS"]["feishu"] = "sessions_app.chatapps.feishu.FeishuSink"
+if CHAT["SINKS"]:
+    # D4, C11: answers a dead process left open are closed from the start, not only once a
+    # platform's first message after a restart arrives.
+    CHAT["ENGINE_SERVICES"].append("sessions_app.chatapps.start_adapters")
 
 # `make run`: the port to serve on and the demo login it makes sure exists.
 PORT = _env_int("PORT", 8000)

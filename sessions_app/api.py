@@ -8,7 +8,8 @@ ninja's validation, authentication and 404 errors, and whatever else fails.
 
 Status codes: 201 created; 202 accepted (a send, retry, continue or compaction runs on); 204
 deleted;
-400 unparsable JSON; 401 no or bad credentials; 403 CSRF failure of a browser session; 404
+400 unparsable JSON; 401 no or bad credentials; 403 CSRF failure of a browser session, or a write
+into a chat-app dialog linked read-only to the caller (`read_only`); 404
 unknown or another user's dialog/turn, or a first-party chat id that is not the caller's;
 409 a live dialog already has that id (`conflict`), the queue is full (`queue_full`) or there
 is nothing to retry or continue; 413 content or body too large; 422 invalid input; 429 rate
@@ -99,7 +100,8 @@ Dialogs, messages, streaming and turns of the chat platform (PROTOCOL "REST API"
 or the browser session (unsafe methods then need the `X-CSRFToken` header).
 
 **Errors** are always JSON `{"code", "message"}`: 400 unparsable body, 401 unauthenticated,
-403 CSRF failure, 404 unknown dialog or turn (also another user's: never 403), 409 `conflict`
+403 CSRF failure or `read_only` (a write into a chat-app dialog linked read-only), 404
+unknown dialog or turn (also another user's: never 403), 409 `conflict`
 (a live dialog already has that id), `queue_full` or nothing to retry, 413 `too_large`,
 422 `bad_request` (validation; `errors` says where), 429 `rate_limited` with `Retry-After`,
 503 `overloaded` / `shutting_down` / `storage_error`.
@@ -297,8 +299,10 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
 # --- Helpers -------------------------------------------------------------------------------
 
 ERRORS: dict[int, Any] = {401: ErrorOut, 404: ErrorOut, 422: ValidationErrorOut}
+# Writes into a chat-app dialog linked read-only to the caller answer 403 `read_only`.
+WRITE_ERRORS: dict[int, Any] = {**ERRORS, 403: ErrorOut, 429: ErrorOut, 503: ErrorOut}
 SEND_ERRORS: dict[int, Any] = {
-    **ERRORS,
+    **WRITE_ERRORS,
     409: ErrorOut,
     413: ErrorOut,
     429: ErrorOut,
@@ -312,6 +316,11 @@ def _user(request: HttpRequest) -> User:
 
 def _owned(user: User, session_id: str) -> Session:
     return selectors.session_get_for_owner(owner_id=user.pk, session_id=session_id)
+
+
+def _writable(user: User, session_id: str) -> Session:
+    """The caller's dialog for a write; a chat-app dialog linked read-only answers 403."""
+    return selectors.session_get_for_writer(owner_id=user.pk, session_id=session_id)
 
 
 def _wants_stream(request: HttpRequest) -> bool:
@@ -411,7 +420,7 @@ async def get_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
 
 @router.patch(
     "/sessions/{session_id}",
-    response={200: SessionOut, **ERRORS, 429: ErrorOut, 503: ErrorOut},
+    response={200: SessionOut, **WRITE_ERRORS},
     summary="Rename a dialog",
     exclude_unset=True,
 )
@@ -423,7 +432,7 @@ async def rename_session(
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
 
     def rename() -> dict[str, Any]:
-        session = services.session_rename(session=_owned(user, session_id), title=payload.title)
+        session = services.session_rename(session=_writable(user, session_id), title=payload.title)
         return clientstate.session_state(session, engine)
 
     return await sync_to_async(rename)()
@@ -431,12 +440,12 @@ async def rename_session(
 
 @router.delete(
     "/sessions/{session_id}",
-    response={204: None, **ERRORS, 429: ErrorOut, 503: ErrorOut},
+    response={204: None, **WRITE_ERRORS},
     summary="Delete a dialog (hidden at once; a running turn ends as stale)",
 )
 async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
     await engine.cancel_for_delete(session)
@@ -504,7 +513,7 @@ async def post_message(
     request: HttpRequest, session_id: str, payload: MessageIn
 ) -> Status[Any] | HttpResponseBase:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     inbound = Inbound(
         owner=user,
@@ -524,12 +533,12 @@ async def post_message(
 
 @router.post(
     "/sessions/{session_id}/stop",
-    response={200: StopOut, **ERRORS, 503: ErrorOut},
+    response={200: StopOut, **WRITE_ERRORS},
     summary="Stop the running turn and drop queued sends (C6)",
 )
 async def stop_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     result = await engine.stop(session)
     return {"stopped_running": result.stopped_running, "dropped": result.dropped}
@@ -547,7 +556,7 @@ async def retry_session(
     request: HttpRequest, session_id: str, payload: RetryIn | None = None
 ) -> Status[Any] | HttpResponseBase:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     client_msg_id = (payload.client_msg_id if payload else None) or ""
 
@@ -572,7 +581,7 @@ async def continue_session(
     request: HttpRequest, session_id: str, payload: RetryIn | None = None
 ) -> Status[Any] | HttpResponseBase:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     client_msg_id = (payload.client_msg_id if payload else None) or ""
 
@@ -586,12 +595,12 @@ async def continue_session(
 
 @router.post(
     "/sessions/{session_id}/compact",
-    response={202: CompactOut, **ERRORS, 429: ErrorOut, 503: ErrorOut},
+    response={202: CompactOut, **WRITE_ERRORS},
     summary="Summarise older history in the background (B5)",
 )
 async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
     user = _user(request)
-    session = await sync_to_async(_owned)(user, session_id)
+    session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     if engine.closing:
         raise ShuttingDown()

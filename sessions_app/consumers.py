@@ -38,8 +38,8 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, InternalError, RateLimited
-from chatcore.engine.ids import owner_chat_id, validate_part
+from chatcore.engine.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
+from chatcore.engine.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
 from . import logins, selectors
@@ -133,6 +133,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
     login: logins.Login | None = None
     login_over = False
     registered = False
+    # Chat groups of the chat-app dialogs linked to this user (their deltas and terminals).
+    linked_groups: frozenset[str] = frozenset()
 
     # --- connection ------------------------------------------------------------------------
 
@@ -238,7 +240,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             engine.layer_watch.unregister(self._layer_lost)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
-        for group in (self.chat_group, self.session_group):
+        for group in (self.chat_group, self.session_group, *self.linked_groups):
             if group:
                 await self.channel_layer.group_discard(group, self.channel_name)
 
@@ -278,12 +280,31 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def _send_sessions(self, client_msg_id: str | None = None) -> None:
         assert self.user is not None
         frame = await database_sync_to_async(sessions_frame)(
-            owner_id=self.user.pk, channel=CHANNEL, chat_id=self.chat_id, current=self.current
+            owner_id=self.user.pk,
+            channel=CHANNEL,
+            chat_id=self.chat_id,
+            current=self.current,
+            linked=True,
         )
+        await self._join_linked(frame)
         self.sessions_shown = _membership(frame)
         if client_msg_id is not None:
             frame = {**frame, "client_msg_id": client_msg_id}
         await self._send(frame)
+
+    async def _join_linked(self, frame: dict[str, Any]) -> None:
+        """Follow the chats of the linked chat-app dialogs a `sessions` frame lists (their
+        deltas, terminals and renames reach this connection as the web chat's do)."""
+        groups = {
+            publish.chat_group(item["channel"], item["chat_id"])
+            for item in frame["items"]
+            if item["channel"] not in FIRST_PARTY_CHANNELS
+        }
+        for group in groups - self.linked_groups:
+            await self.channel_layer.group_add(group, self.channel_name)
+        for group in self.linked_groups - groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
+        self.linked_groups = frozenset(groups)
 
     async def _send_history(
         self,
@@ -341,19 +362,43 @@ class ChatConsumer(AsyncWebsocketConsumer):
     def _parse(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
         return parse_client_frame(text_data, bytes_data)
 
-    async def _target(self, data: dict[str, Any]) -> Session:
+    async def _target(self, data: dict[str, Any], *, write: bool = False) -> Session:
         """The dialog a frame is about: its `dialog_id` (one of this user's live dialogs of
-        the web chat, else not_found), or the connection's current dialog."""
+        the web chat, else not_found), its `session_id` (that, or a chat-app dialog linked
+        to this user), or the connection's current dialog. A `write` into a dialog that is
+        read-only for this user is refused (`read_only`)."""
         assert self.user is not None and self.current is not None
         raw = data.get("dialog_id")
-        if raw is None:
+        raw_session = data.get("session_id")
+        if raw is not None and raw_session is not None:
+            raise BadRequest(_("Name a dialog by dialog_id or by session_id, not both."))
+        if raw_session is not None:
+            target = await database_sync_to_async(self._session_target)(raw_session)
+        elif raw is not None:
+            dialog_id = validate_part(raw, field="dialog_id")
+            target = await database_sync_to_async(selectors.dialog_get)(
+                owner_id=self.user.pk, channel=CHANNEL, chat_id=self.chat_id, dialog_id=dialog_id
+            )
+        else:
             if self.current_gone:
                 await self._move(await database_sync_to_async(self._initial_dialog)(None))
-            return self.current
-        dialog_id = validate_part(raw, field="dialog_id")
-        return await database_sync_to_async(selectors.dialog_get)(
-            owner_id=self.user.pk, channel=CHANNEL, chat_id=self.chat_id, dialog_id=dialog_id
-        )
+            target = self.current
+        if write:
+            await database_sync_to_async(selectors.dialog_check_writable)(
+                user_id=self.user.pk, session=target
+            )
+        return target
+
+    def _session_target(self, raw: object) -> Session:
+        assert self.user is not None
+        if not isinstance(raw, str) or len(raw) > 200:
+            raise BadRequest(_("session_id must be a string."))
+        session = selectors.session_get_for_owner(owner_id=self.user.pk, session_id=raw)
+        own_chat = session.channel == CHANNEL and session.chat_id == self.chat_id
+        if not own_chat and session.channel in FIRST_PARTY_CHANNELS:
+            # Dialogs of the API or the terminal are not part of the web chat.
+            raise NotFound(_("Dialog not found."))
+        return session
 
     async def _on_send(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         await self._submit(data, client_msg_id, "send")
@@ -373,6 +418,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if mode == "send" and commands.is_command(content):
             await self._command(content, target, client_msg_id)
             return
+        # The engine refuses a send, steer or inject into a read-only dialog (`read_only`).
         inbound = Inbound(
             owner=self.user,
             channel=CHANNEL,
@@ -388,6 +434,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def _command(self, text: str, target: Session, client_msg_id: str | None) -> None:
         """B3: one `command_result` (or an error), then the state frames it causes."""
         assert self.user is not None and self.current is not None
+        if commands.writes_dialog(text):
+            await database_sync_to_async(selectors.dialog_check_writable)(
+                user_id=self.user.pk, session=target
+            )
         ctx = commands.CommandContext(
             owner=self.user,
             channel=CHANNEL,
@@ -427,14 +477,14 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def _on_retry(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         assert self.user is not None
-        target = await self._target(data)
+        target = await self._target(data, write=True)
         ack = await self.engine.retry(target, owner=self.user, client_msg_id=client_msg_id or "")
         await self._send(ack.frame())
 
     async def _on_continue(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         # E5: go on with a cut answer; answered by `queued` (mode `continue`) or `error`.
         assert self.user is not None
-        target = await self._target(data)
+        target = await self._target(data, write=True)
         ack = await self.engine.continue_answer(
             target, owner=self.user, client_msg_id=client_msg_id or ""
         )
@@ -443,7 +493,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
     async def _on_history(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         before_seq = _optional_int(data, "before_seq", low=1, high=None)
         limit = _optional_int(data, "limit", low=1, high=selectors.HISTORY_PAGE_MAX)
+        follow = data.get("follow", False)
+        if not isinstance(follow, bool):
+            raise BadRequest(_("follow must be true or false."))
         target = await self._target(data)
+        if follow and before_seq is None:
+            # The dialog becomes this connection's current one: its snapshots stream here
+            # (how the web chat opens a linked chat-app dialog, which /switch cannot name).
+            self.current_gone = False
+            await self._follow(target)
         await self._send_history(
             target, before_seq=before_seq, limit=limit, client_msg_id=client_msg_id
         )
@@ -551,7 +609,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
         def read() -> tuple[dict[str, Any], bool, Session | None]:
             frame = sessions_frame(
-                owner_id=user.pk, channel=CHANNEL, chat_id=self.chat_id, current=current
+                owner_id=user.pk,
+                channel=CHANNEL,
+                chat_id=self.chat_id,
+                current=current,
+                linked=True,
             )
             # By primary key: a re-created dialog may carry the deleted one's id.
             if selectors.live_sessions_for_owner(owner_id=user.pk).filter(pk=current.pk).exists():
@@ -568,6 +630,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             await self._move(replacement)
             return
         self.current_gone = gone
+        await self._join_linked(frame)
         if _membership(frame) == self.sessions_shown:
             return  # e.g. the echo of this connection's own /new or /delete
         self.sessions_shown = _membership(frame)

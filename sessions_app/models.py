@@ -379,13 +379,19 @@ class ChannelChat(models.Model):
 
 
 class ChannelEvent(models.Model):
-    """An inbound platform event already taken (Telegram update_id, Feishu event_id): the
-    unique row is the durable de-duplication across redeliveries and processes (D5)."""
+    """An inbound platform event (Telegram update_id, Feishu event_id): the unique row is the
+    durable de-duplication across redeliveries and processes (D5). A process takes the event
+    (`claim`, `claimed_at`) before handling it; `done_at` is set in the transaction that
+    accepts its work, so a redelivery of an event taken but never accepted (its process died)
+    is handled again once the claim is old, and an accepted one never is."""
 
     id = models.BigAutoField(primary_key=True)
     channel = models.CharField(max_length=64)
     event_id = models.CharField(max_length=128)
     received_at = models.DateTimeField(default=timezone.now, db_index=True)
+    claim = models.CharField(max_length=32, blank=True, default="")
+    claimed_at = models.DateTimeField(default=timezone.now)
+    done_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

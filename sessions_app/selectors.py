@@ -11,8 +11,8 @@ from django.db.models.functions import Length
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from chatcore.engine.errors import NotFound
-from chatcore.engine.ids import SessionKey
+from chatcore.engine.errors import NotFound, ReadOnlyDialog
+from chatcore.engine.ids import FIRST_PARTY_CHANNELS, SessionKey
 
 from .models import ChannelChat, Message, Session, StagedInput, Turn, TurnStatus
 
@@ -204,3 +204,38 @@ def external_write_allowed(*, user_id: int, session: Session) -> bool:
     if chat is None or chat.account.user_id != user_id:
         return True
     return chat.account.writable
+
+
+def dialog_check_writable(*, user_id: int, session: Session) -> None:
+    """Refuse (`read_only`) any write of a web or API user into a chat-app dialog linked to
+    them read-only: sends, steers, stop, retry, continue, rename, delete, compact."""
+    if session.channel in FIRST_PARTY_CHANNELS:
+        return
+    if not external_write_allowed(user_id=user_id, session=session):
+        raise ReadOnlyDialog()
+
+
+def session_get_for_writer(*, owner_id: int, session_id: str) -> Session:
+    """`session_get_for_owner` for a write: also refused when the dialog is read-only."""
+    session = session_get_for_owner(owner_id=owner_id, session_id=session_id)
+    dialog_check_writable(user_id=owner_id, session=session)
+    return session
+
+
+def linked_dialogs_for_user(*, user_id: int, limit: int = 50) -> list[tuple[Session, bool]]:
+    """The chat-app dialogs of the accounts an operator linked to this web user, most
+    recently active first, each with whether it is read-only for them (A1)."""
+    sessions = list(
+        live_sessions_for_owner(owner_id=user_id)
+        .exclude(channel__in=FIRST_PARTY_CHANNELS)
+        .order_by("-last_active_at", "-created_at")[:limit]
+    )
+    if not sessions:
+        return []
+    writable = dict(
+        ((channel, chat_id), can_write)
+        for channel, chat_id, can_write in ChannelChat.objects.filter(
+            account__user_id=user_id
+        ).values_list("channel", "chat_id", "account__writable")
+    )
+    return [(s, not writable.get((s.channel, s.chat_id), True)) for s in sessions]

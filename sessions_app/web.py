@@ -88,6 +88,13 @@ def js_strings() -> dict[str, str]:
         "close": _("Close"),
         "steer": _("steer"),
         "context": _("context"),
+        "linked_group": _("%(platform)s (linked)"),
+        "read_only": _("read-only"),
+        "read_only_placeholder": _("Read-only dialog"),
+        "read_only_note": _(
+            "This %(platform)s dialog is read-only for you: its messages and answers appear "
+            "here, but you write to it from %(platform)s."
+        ),
     }
 
 

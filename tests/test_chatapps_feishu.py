@@ -245,6 +245,31 @@ async def test_a_redelivered_event_is_never_a_second_turn(app: App) -> None:
     assert [m.text for m in app.answers_to(event)] == ["echo: hello"]
 
 
+async def test_an_event_whose_turn_could_not_be_stored_is_handled_on_redelivery(
+    app_with: Any, fake_model
+) -> None:
+    # covers: D5, C2, A4 (exactly once: the event is marked handled with its turn)
+    from tests.test_chatapps_telegram import _with_failing
+    from tests.test_storage import FailStatements
+
+    app = await app_with(STORAGE_RETRY_DELAYS_MS=[1])
+    event = app.event("keep me")
+    fail = FailStatements(Turn._meta.db_table, "INSERT", failures=1000)
+    wrapper = await _with_failing(fail)
+    try:
+        refused = await app.post(event)
+    finally:
+        await sync_to_async(wrapper.__exit__)(None, None, None)
+    # A non-2xx answer makes Feishu deliver the event again; nothing was stored or answered.
+    assert refused.status_code == 503 and refused.json()["result"] == "retry"
+    assert await turns() == [] and app.answers_to(event) == []
+    assert (await app.post(event)).json()["result"] == "send"
+    assert (await app.post(event)).json()["result"] == "duplicate"
+    await app.idle()
+    assert len(await turns()) == 1
+    assert [m.text for m in app.answers_to(event)] == ["echo: keep me"]
+
+
 async def test_a_send_streams_into_one_card_updated_as_it_grows(app: App, fake_model) -> None:
     # covers: D4, D5
     answer = "# Plan\nStep **one** then step two, " * 4

@@ -176,6 +176,92 @@ async def test_a_redelivered_update_is_never_a_second_turn(bot: Bot) -> None:
     assert len(await turns()) == 1
 
 
+async def _with_failing(fail: Any) -> Any:
+    """Install an execute wrapper on the connection of the thread the ORM calls run in."""
+    from django.db import connection
+
+    def install() -> Any:
+        wrapper = connection.execute_wrapper(fail)
+        wrapper.__enter__()
+        return wrapper
+
+    return await sync_to_async(install)()
+
+
+async def test_an_update_whose_turn_could_not_be_stored_is_handled_on_redelivery(
+    bot_with: Any, fake_model
+) -> None:
+    # covers: D5, C2, A4 (exactly once: the update is marked handled with its turn, not before)
+    from tests.test_storage import FailStatements
+
+    bot = await bot_with(STORAGE_RETRY_DELAYS_MS=[1, 2])
+    update = bot.fake.update("do not lose me")
+    fail = FailStatements(Turn._meta.db_table, "INSERT", failures=1000)
+    wrapper = await _with_failing(fail)
+    try:
+        response = await bot.post(update)
+    finally:
+        await sync_to_async(wrapper.__exit__)(None, None, None)
+    assert fail.attempts == 3
+    # Nothing was accepted: the platform is told to deliver it again, the user sees no error.
+    assert response.status_code == 503 and response.json()["result"] == "retry"
+    assert await turns() == [] and bot.answers_to(update) == []
+    again = await bot.post(update)
+    assert again.status_code == 200 and again.json()["result"] == "send"
+    assert (await bot.post(update)).json()["result"] == "duplicate"
+    await bot.idle()
+    assert [t.content for t in await turns()] == ["do not lose me"]
+    assert [m.text for m in bot.answers_to(update)] == ["echo: do not lose me"]
+
+
+async def test_an_update_taken_by_a_process_that_died_is_handled_on_redelivery(
+    bot: Bot, fake_model
+) -> None:
+    # covers: D5, C2 (a crash between taking the update and accepting its turn loses nothing)
+    update = bot.fake.update("taken, then the process died")
+    event_id = str(update["update_id"])
+    dead = await sync_to_async(store.event_take)(channel="telegram", event_id=event_id)
+    assert dead is not None
+    # While the claim is fresh its holder may still be working: a redelivery waits.
+    assert (await bot.post(update)).json()["result"] == "duplicate"
+    # The holder is gone: once its claim is old, the redelivery is handled.
+    await sync_to_async(ChannelEvent.objects.filter(event_id=event_id).update)(
+        claimed_at=timezone.now() - store.EVENT_CLAIM_TIMEOUT - timedelta(seconds=1)
+    )
+    assert (await bot.post(update)).json()["result"] == "send"
+    assert (await bot.post(update)).json()["result"] == "duplicate"
+    # The dead process's late accept cannot make a second turn either.
+    with pytest.raises(store.EventAlreadyAccepted):
+        await sync_to_async(store.event_accept)(dead)
+    await bot.idle()
+    assert [t.content for t in await turns()] == ["taken, then the process died"]
+    assert len(bot.answers_to(update)) == 1
+
+
+async def test_polling_fetches_an_update_again_when_it_could_not_be_stored(
+    bot_with: Any, fake_model
+) -> None:
+    # covers: D5, PROTOCOL "Chat apps" (telegram_poll confirms only what was stored)
+    from tests.test_storage import FailStatements
+
+    bot = await bot_with(STORAGE_RETRY_DELAYS_MS=[1])
+    update = bot.fake.update("polled while the disk hiccups")
+    bot.fake.queue_update(update)
+    fail = FailStatements(Turn._meta.db_table, "INSERT", failures=2)
+    wrapper = await _with_failing(fail)
+    stop = asyncio.Event()
+    poller = asyncio.ensure_future(telegram.poll(bot.engine, stop=stop, timeout=1))
+    try:
+        await bot.fake.wait_for(lambda: bot.answers_to(update), timeout=30)
+    finally:
+        stop.set()
+        await asyncio.wait_for(poller, 10)
+        await sync_to_async(wrapper.__exit__)(None, None, None)
+    await bot.idle()
+    assert fail.attempts == 3
+    assert [t.content for t in await turns()] == ["polled while the disk hiccups"]
+
+
 async def test_group_answers_only_when_mentioned_or_replied_to(bot: Bot) -> None:
     # covers: PROTOCOL "Chat apps" (groups), A1
     _update, outcome = await bot.say("just chatting", group=True, chat_id=-100500)
@@ -607,6 +693,64 @@ async def test_the_telegram_poll_command_answers_and_stops_on_sigterm(
         await asyncio.wait_for(task, 30)
     assert [t.content for t in await turns()] == ["hello poller"]
     assert runtime._engine is None
+
+
+async def test_the_telegram_poll_command_closes_an_answer_left_open_without_any_update(
+    fake_telegram: FakeTelegram,
+) -> None:
+    # covers: C11, D4 (the poller's engine closes a dead process's answer from the start)
+    import os
+    import signal
+
+    from sessions_app.management.commands.telegram_poll import Command
+
+    past = timezone.now() - timedelta(seconds=60)
+    with override_settings(**telegram_settings(fake_telegram)):
+
+        def crashed_state() -> Turn:
+            ctx = store.chat_context(
+                channel="telegram",
+                chat_id="42",
+                is_group=False,
+                chat_title="",
+                sender_id="7",
+                sender_name="Ann",
+            )
+            Session.objects.filter(pk=ctx.current.pk).update(
+                lease_owner="dead-process", lease_expires_at=past, turn_counter=1
+            )
+            return Turn.objects.create(
+                session_id=ctx.current.pk,
+                owner_id=ctx.owner.pk,
+                number=1,
+                content="long question",
+                status="running",
+                started_at=past,
+                partial_text="Half an answer",
+            )
+
+        turn = await sync_to_async(crashed_state)()
+        sink = telegram.TelegramSink()
+        handle = await sink.open({"chat_id": "42", "turn_id": str(turn.pk), "reply_to": None})
+        handle.interval = 0
+        await sink.update(handle, "Half an answer")
+        await handle.client.aclose()
+
+        def closed() -> bool:
+            return any(
+                m.message_id == handle.message_id and "⚠" in m.text
+                for m in fake_telegram.bot_messages()
+            )
+
+        task = asyncio.ensure_future(Command()._run(1))
+        try:
+            await fake_telegram.wait_for(closed, timeout=60)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(task, 30)
+    assert fake_telegram.updates == []
+    message = next(m for m in fake_telegram.bot_messages() if m.message_id == handle.message_id)
+    assert message.text.startswith("Half an answer")
 
 
 async def test_replies_follow_the_senders_language(bot: Bot) -> None:

@@ -33,27 +33,47 @@ def snapshot_gaps() -> int:
     return _snapshot_gaps
 
 
-def session_item(session: Session) -> dict[str, Any]:
+def session_item(session: Session, *, read_only: bool = False) -> dict[str, Any]:
     return {
         "session_id": session.session_id,
         "dialog_id": session.dialog_id,
         "title": session.title,
         "last_active_at": session.last_active_at.isoformat(),
         "message_count": session.message_count,
+        "channel": session.channel,
+        "chat_id": session.chat_id,
+        "read_only": read_only,
     }
 
 
 def sessions_frame(
-    *, owner_id: int, channel: str, chat_id: str, current: Session | None, limit: int = 50
+    *,
+    owner_id: int,
+    channel: str,
+    chat_id: str,
+    current: Session | None,
+    limit: int = 50,
+    linked: bool = False,
 ) -> dict[str, Any]:
-    """PROTOCOL `sessions`: the chat's live dialogs, most recently active first."""
-    items = selectors.dialog_list_for_chat(
-        owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
-    )
+    """PROTOCOL `sessions`: the chat's live dialogs, most recently active first; with
+    `linked`, then the chat-app dialogs linked to this user (A1), each with its `channel`,
+    `chat_id` and whether it is `read_only` for them."""
+    items = [
+        session_item(s)
+        for s in selectors.dialog_list_for_chat(
+            owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
+        )
+    ]
+    if linked:
+        items += [
+            session_item(s, read_only=read_only)
+            for s, read_only in selectors.linked_dialogs_for_user(user_id=owner_id, limit=limit)
+        ]
     return {
         "type": "sessions",
         "current": current.dialog_id if current is not None else None,
-        "items": [session_item(s) for s in items],
+        "current_session_id": current.session_id if current is not None else None,
+        "items": items,
     }
 
 

@@ -59,16 +59,18 @@ class Command:
     help: Any
     handler: Handler
     takes_args: bool
+    # Changes the dialog it runs on (refused on a dialog that is read-only for the writer).
+    writes: bool = False
 
 
 REGISTRY: dict[str, Command] = {}
 
 
 def command(
-    name: str, *, usage: str, help: Any, takes_args: bool = False
+    name: str, *, usage: str, help: Any, takes_args: bool = False, writes: bool = False
 ) -> Callable[[Handler], Handler]:
     def register(fn: Handler) -> Handler:
-        REGISTRY[name] = Command(name, usage, help, fn, takes_args)
+        REGISTRY[name] = Command(name, usage, help, fn, takes_args, writes)
         return fn
 
     return register
@@ -76,6 +78,13 @@ def command(
 
 def is_command(text: str) -> bool:
     return text.startswith("/")
+
+
+def writes_dialog(text: str) -> bool:
+    """Whether a command line changes the dialog it runs on (/rename, /delete, /compact,
+    /stop); /new and /switch only change which dialog is current."""
+    cmd = REGISTRY.get(parse(text)[0])
+    return cmd is not None and cmd.writes
 
 
 def parse(text: str) -> tuple[str, str]:
@@ -169,6 +178,7 @@ async def _switch(ctx: CommandContext, args: str) -> CommandResult:
     usage="/rename <title>",
     help=gettext_lazy("Rename the current dialog"),
     takes_args=True,
+    writes=True,
 )
 async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
@@ -183,7 +193,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     )
 
 
-@command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"))
+@command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"), writes=True)
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if ctx.engine is not None:
@@ -227,7 +237,10 @@ async def _info(ctx: CommandContext, args: str) -> CommandResult:
 
 
 @command(
-    "stop", usage="/stop", help=gettext_lazy("Stop the running answer and drop queued messages")
+    "stop",
+    usage="/stop",
+    help=gettext_lazy("Stop the running answer and drop queued messages"),
+    writes=True,
 )
 async def _stop(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
@@ -237,7 +250,12 @@ async def _stop(ctx: CommandContext, args: str) -> CommandResult:
     return CommandResult("stop", result.describe())
 
 
-@command("compact", usage="/compact", help=gettext_lazy("Summarise older history to free context"))
+@command(
+    "compact",
+    usage="/compact",
+    help=gettext_lazy("Summarise older history to free context"),
+    writes=True,
+)
 async def _compact(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     from . import background

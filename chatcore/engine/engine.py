@@ -100,6 +100,10 @@ class Inbound:
     received_at: datetime = field(default_factory=timezone.now)
     media: tuple[Any, ...] = ()
     channel_context: dict[str, Any] = field(default_factory=dict)
+    # Run inside the transaction that accepts the message (turn enqueued, input staged or an
+    # idle inject stored): a chat app marks its platform event handled there, so a redelivery
+    # is neither lost nor a second turn (D5). Raising refuses the message and changes nothing.
+    accept: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def source(self) -> dict[str, Any]:
         data: dict[str, Any] = {"from_channel": self.channel, "from_user_id": self.sender_id}
@@ -307,6 +311,8 @@ class Engine:
         def write() -> tuple[Ack, Turn | None, services.Appended | None]:
             with transaction.atomic():
                 live = _lock_live(session.pk)
+                if inbound.accept is not None:
+                    inbound.accept()
                 busy = Turn.objects.filter(
                     session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
                 ).exists()

@@ -1,7 +1,8 @@
 """The process-wide engine: one per server process, living in the server's event loop.
 
 `start_in_current_loop()` is called by the `serve` command when Daphne is ready and, as a
-fallback for other ASGI servers, by the ASGI app on its first connection. Channels reach the
+fallback for other ASGI servers, by the ASGI app on its first connection. It also starts the
+services of `CHAT["ENGINE_SERVICES"]` with the engine (the chat apps' adapters). Channels reach the
 engine through `get_engine()`.
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+from django.conf import settings
+from django.utils.module_loading import import_string
 
 from . import publish
 from .engine import Engine
@@ -30,6 +34,9 @@ def start_in_current_loop() -> None:
     publish.bind_loop(loop)
     _engine = Engine()
     _start_task = loop.create_task(_engine.start())
+    for path in settings.CHAT.get("ENGINE_SERVICES", ()):
+        # E.g. the chat apps' adapters: tasks on the engine's supervisor, stopped with it.
+        import_string(path)(_engine)
     logger.info("engine started")
 
 

@@ -15,6 +15,7 @@ inbound parser and a route, plus its sink in `CHAT["SINKS"]`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import weakref
@@ -25,13 +26,14 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
 from chatcore.engine import commands
 from chatcore.engine.delivery import DeliveryError, Terminal, fallback_text
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import ChatError, InternalError
+from chatcore.engine.errors import ChatError, InternalError, StorageError
 
 from . import store
 
@@ -227,15 +229,25 @@ def _plain_pieces(client: PlatformClient, text: str) -> list[str]:
 
 
 async def handle_incoming(
-    *, engine: Engine, client: PlatformClient, message: IncomingMessage
+    *,
+    engine: Engine,
+    client: PlatformClient,
+    message: IncomingMessage,
+    claim: store.EventClaim | None = None,
 ) -> str:
     """The path of one platform message: ignored (a group message not for the bot), a slash
     command answered in the chat, or a send/steer submitted to the engine. Every refusal is
-    answered on the original message (D5). Returns what happened."""
+    answered on the original message (D5). Returns what happened; "retry" when the database
+    could not take the message (the event is given back for the platform to redeliver).
+
+    With the event's `claim`, the event is marked handled in the transaction that enqueues
+    the turn or stages the input, so a crash before that leaves it to the redelivery and a
+    crash after it never makes a second turn. A command marks it after its effect."""
     if not message.addressed:
+        await settle_event(claim)
         return "ignored"
     with translation.override(_language(message.language)):
-        return await _handle(engine, client, message)
+        return await _handle(engine, client, message, claim)
 
 
 def _language(code: str) -> str:
@@ -247,7 +259,9 @@ def _language(code: str) -> str:
     return str(settings.LANGUAGE_CODE)
 
 
-async def _handle(engine: Engine, client: PlatformClient, message: IncomingMessage) -> str:
+async def _handle(
+    engine: Engine, client: PlatformClient, message: IncomingMessage, claim: store.EventClaim | None
+) -> str:
     text = message.text.strip()
     try:
         ctx = await sync_to_async(store.chat_context)(
@@ -271,6 +285,8 @@ async def _handle(engine: Engine, client: PlatformClient, message: IncomingMessa
                 await sync_to_async(store.chat_set_current)(
                     chat=ctx.chat, dialog_id=result.current.dialog_id
                 )
+            if claim is not None:
+                await sync_to_async(store.event_accept)(claim)
             await client.send_text(message.chat_id, result.content, reply_to=message.message_id)
             return "command"
         mode = "send"
@@ -292,16 +308,50 @@ async def _handle(engine: Engine, client: PlatformClient, message: IncomingMessa
             reply_to=message.message_id,
             received_at=message.received_at,
             channel_context=_context(message),
+            accept=functools.partial(store.event_accept, claim) if claim is not None else None,
         )
         await engine.submit(inbound, ctx.current)
         return mode
+    except store.EventAlreadyAccepted:
+        return "duplicate"
+    except (StorageError, DatabaseError) as exc:
+        # Nothing was accepted: give the event back so the platform's redelivery (or the
+        # next poll) brings the message again, rather than answering an error for it.
+        logger.warning("chat app message not stored, left for redelivery: %s", exc)
+        await _release(claim)
+        return "retry"
     except ChatError as exc:
         await _answer_error(client, message, exc.message)
+        await settle_event(claim)
         return "error"
     except Exception:
         logger.exception("chat app message failed", extra={"chat_id": message.chat_id})
         await _answer_error(client, message, InternalError().message)
+        await settle_event(claim)
         return "error"
+
+
+async def settle_event(claim: store.EventClaim | None) -> None:
+    """Mark an event handled that needs no accepting write (ignored, or answered with a
+    refusal): a redelivery of it is a duplicate."""
+    if claim is None:
+        return
+    try:
+        await sync_to_async(store.event_accept)(claim)
+    except store.EventAlreadyAccepted:
+        pass
+    except Exception as exc:
+        logger.warning("could not mark a chat app event handled: %s", type(exc).__name__)
+
+
+async def _release(claim: store.EventClaim | None) -> None:
+    if claim is None:
+        return
+    try:
+        await sync_to_async(store.event_release)(claim)
+    except Exception as exc:
+        # The claim then times out (store.EVENT_CLAIM_TIMEOUT) and a redelivery takes it.
+        logger.warning("could not give a chat app event back: %s", type(exc).__name__)
 
 
 def _context(message: IncomingMessage) -> dict[str, Any]:

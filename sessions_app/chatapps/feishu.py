@@ -11,7 +11,8 @@ bot edit in place, with a markdown element for the answer).
 Inbound: `POST /channels/feishu/events`. `url_verification` is answered with its challenge;
 every callback's verification token must match; with FEISHU_ENCRYPT_KEY set, bodies arrive
 encrypted and carry `X-Lark-Signature` = sha256(timestamp + nonce + key + body), checked
-before anything is read. Each `event_id` is taken once (durably). Group messages count only
+before anything is read. Each `event_id` is handled exactly once (taken durably, marked
+handled with the work it causes). Group messages count only
 when they @mention the bot or reply to one of its answers.
 """
 
@@ -40,6 +41,7 @@ from .base import (
     StreamingSink,
     adapter_for,
     handle_incoming,
+    settle_event,
 )
 from .render import feishu_markdown
 
@@ -292,14 +294,18 @@ class FeishuAdapter(Adapter):
             return "invalid"
         if header.get("event_type") != "im.message.receive_v1":
             return "ignored"
-        if not await sync_to_async(store.event_take)(channel=CHANNEL, event_id=event_id):
+        claim = await sync_to_async(store.event_take)(channel=CHANNEL, event_id=event_id)
+        if claim is None:
             return "duplicate"
         message = await self.parse(event)
         if message is None:
+            await settle_event(claim)
             return "ignored"
         client = self.client()
         try:
-            return await handle_incoming(engine=self.engine, client=client, message=message)
+            return await handle_incoming(
+                engine=self.engine, client=client, message=message, claim=claim
+            )
         finally:
             await client.aclose()
 

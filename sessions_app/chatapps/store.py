@@ -10,6 +10,7 @@ lists), and unlinking moves them back.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,15 +48,67 @@ class ChatContext:
     current: Session
 
 
-def event_take(*, channel: str, event_id: str) -> bool:
-    """Record an inbound event id; False when it was taken before (a redelivery). The unique
-    row makes this hold across processes and restarts."""
+# A taken event that was neither accepted nor released (its process died in between) is
+# handled again by a redelivery once its claim is this old.
+EVENT_CLAIM_TIMEOUT = timedelta(seconds=30)
+
+
+@dataclass(frozen=True)
+class EventClaim:
+    """This process's hold on one inbound event until its work is accepted."""
+
+    channel: str
+    event_id: str
+    token: str
+
+
+class EventAlreadyAccepted(Exception):
+    """Another handler took over the event (its claim timed out) and accepted it."""
+
+
+def event_take(
+    *, channel: str, event_id: str, stale_after: timedelta = EVENT_CLAIM_TIMEOUT
+) -> EventClaim | None:
+    """Take an inbound event to handle it; None when it was accepted before (a redelivery)
+    or another handler holds a fresh claim on it. The unique row makes this hold across
+    processes and restarts (D5)."""
+    token = uuid.uuid4().hex
+    now = timezone.now()
     try:
         with transaction.atomic():
-            ChannelEvent.objects.create(channel=channel, event_id=event_id)
+            ChannelEvent.objects.create(
+                channel=channel, event_id=event_id, claim=token, claimed_at=now
+            )
+        return EventClaim(channel, event_id, token)
     except IntegrityError:
-        return False
-    return True
+        pass
+    # Taken before but never accepted, by a handler that is gone: take it over.
+    taken = ChannelEvent.objects.filter(
+        channel=channel,
+        event_id=event_id,
+        done_at__isnull=True,
+        claimed_at__lt=now - stale_after,
+    ).update(claim=token, claimed_at=now)
+    return EventClaim(channel, event_id, token) if taken else None
+
+
+def event_accept(claim: EventClaim) -> None:
+    """Mark the event handled. Called inside the transaction that accepts its work (the turn
+    enqueued, the input staged), so the two commit together or not at all; raises
+    `EventAlreadyAccepted` (rolling that transaction back) when the claim is no longer ours."""
+    marked = ChannelEvent.objects.filter(
+        channel=claim.channel, event_id=claim.event_id, claim=claim.token, done_at__isnull=True
+    ).update(done_at=timezone.now())
+    if not marked:
+        raise EventAlreadyAccepted(f"{claim.channel}:{claim.event_id}")
+
+
+def event_release(claim: EventClaim) -> None:
+    """Give the event back (its work could not be stored): the platform's redelivery is
+    then handled at once instead of after the claim timeout."""
+    ChannelEvent.objects.filter(
+        channel=claim.channel, event_id=claim.event_id, claim=claim.token, done_at__isnull=True
+    ).delete()
 
 
 def events_purge(*, older_than: timedelta) -> int:

@@ -9,8 +9,9 @@ client below is a thin httpx wrapper with the same async stack as the rest of th
 
 Inbound: `POST /channels/telegram/webhook` (the `X-Telegram-Bot-Api-Secret-Token` header
 must equal TELEGRAM_WEBHOOK_SECRET) or `manage.py telegram_poll` (getUpdates with offset).
-Each `update_id` is taken once (durably). Group messages count only when they mention the
-bot, reply to it, or are commands addressed to it (`/new@bot`).
+Each `update_id` is handled exactly once (taken, then marked handled with its work). Group
+messages count only when they mention the bot, reply to it, or are commands addressed to it
+(`/new@bot`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .base import (
     StreamingSink,
     adapter_for,
     handle_incoming,
+    settle_event,
 )
 from .render import telegram_html
 
@@ -207,18 +209,23 @@ class TelegramAdapter(Adapter):
         )
 
     async def handle_update(self, update: dict[str, Any]) -> str:
-        """One update, at most once (its update_id is taken durably first)."""
+        """One update, exactly once: its update_id is taken durably first and marked handled
+        with the work it causes ("retry": nothing was stored, deliver it again)."""
         update_id = update.get("update_id")
         if not isinstance(update_id, int):
             return "invalid"
-        if not await sync_to_async(store.event_take)(channel=CHANNEL, event_id=str(update_id)):
+        claim = await sync_to_async(store.event_take)(channel=CHANNEL, event_id=str(update_id))
+        if claim is None:
             return "duplicate"
         message = self.parse(update)
         if message is None:
+            await settle_event(claim)
             return "ignored"
         client = self.client()
         try:
-            return await handle_incoming(engine=self.engine, client=client, message=message)
+            return await handle_incoming(
+                engine=self.engine, client=client, message=message, claim=claim
+            )
         finally:
             await client.aclose()
 
@@ -267,9 +274,12 @@ async def poll(engine: Engine, *, stop: asyncio.Event, timeout: int | None = Non
                 await asyncio.sleep(1)
                 continue
             for update in updates or []:
+                if await adapter.handle_update(update) == "retry":
+                    # Not stored: confirm nothing from here on, so getUpdates brings it again.
+                    await asyncio.sleep(1)
+                    break
                 if isinstance(update.get("update_id"), int):
                     offset = max(offset or 0, update["update_id"] + 1)
-                await adapter.handle_update(update)
                 handled += 1
     finally:
         await client.aclose()

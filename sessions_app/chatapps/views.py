@@ -33,8 +33,7 @@ async def telegram_webhook(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"error": "an update is a JSON object"}, status=400)
     engine = await runtime.get_engine()
     adapter = await telegram.telegram_adapter(engine)
-    outcome = await adapter.handle_update(update)
-    return JsonResponse({"ok": True, "result": outcome})
+    return _answer(await adapter.handle_update(update))
 
 
 @csrf_exempt
@@ -52,5 +51,11 @@ async def feishu_events(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"challenge": event.get("challenge", "")})
     engine = await runtime.get_engine()
     adapter = await feishu.feishu_adapter(engine)
-    outcome = await adapter.handle_event(event)
+    return _answer(await adapter.handle_event(event))
+
+
+def _answer(outcome: str) -> HttpResponse:
+    if outcome == "retry":
+        # D5: the message could not be stored; a non-2xx makes the platform deliver it again.
+        return JsonResponse({"ok": False, "result": outcome}, status=503)
     return JsonResponse({"ok": True, "result": outcome})

@@ -7,6 +7,9 @@
  * - Model output is untrusted: markdown goes through marked, then DOMPurify with a strict
  *   allow-list, and lands in the DOM as a sanitised fragment. User text is plain text.
  * - Sidebar actions are slash commands on the socket (/new, /switch, /rename, /delete).
+ * - Chat-app dialogs linked to this user (Telegram, Feishu) are listed under their platform
+ *   and named by `session_id`; opening one is a `history` frame with `follow`. A read-only
+ *   one shows its transcript and live answers with the composer disabled.
  * - The socket reconnects with exponential backoff and jitter; the server's `sessions` +
  *   `session_history` on reopen replace the state (resync). A normal turn never reloads it.
  */
@@ -327,6 +330,7 @@
     historyAskedAt: 0,
     stopping: false,
     wantDialog: null, // dialog to restore after a reconnect or from the URL
+    wantSession: null, // linked chat-app dialog (session id) to restore the same way
     loadedOnce: false,
     menuFor: null,
     answers: Object.create(null), // message id -> {node, text} of a shown answer (continuations join it)
@@ -345,7 +349,7 @@
     var scheme = location.protocol === "https:" ? "wss://" : "ws://";
     var url = scheme + location.host + config.ws_path;
     // Reopen on the dialog the reader was on (the server falls back to B1 if it is gone).
-    var dialog = state.wantDialog || history.dialogId;
+    var dialog = state.wantDialog || (isLinked(history.sessionId) ? null : history.dialogId);
     if (dialog) {
       url += "?dialog_id=" + encodeURIComponent(dialog);
     }
@@ -430,16 +434,35 @@
     return true;
   }
 
+  /** Whether a session id is a chat-app dialog linked to this user (not the web chat's). */
+  function isLinked(sessionId) {
+    return Boolean(sessionId) && String(sessionId).split(":")[0] !== "web";
+  }
+
+  /** Name the dialog a frame is about (default: the open one): a linked chat-app dialog by
+   * its session id, a dialog of the web chat by its dialog id. */
+  function aim(frame, item) {
+    var sessionId = item ? item.session_id : history.sessionId;
+    var dialogId = item ? item.dialog_id : history.dialogId;
+    if (isLinked(sessionId)) {
+      frame.session_id = sessionId;
+    } else if (dialogId) {
+      frame.dialog_id = dialogId;
+    }
+    return frame;
+  }
+
   /** A slash command; `silent` ones come from the UI and show only their errors. A
-   * `dialogId` aims it at that dialog instead of the current one (/rename, /delete). */
-  function sendCommand(text, silent, dialogId) {
+   * `target` ({session_id, dialog_id}) aims it at that dialog instead of the current one
+   * (/rename, /delete). */
+  function sendCommand(text, silent, target) {
     var id = randomId();
     if (silent) {
       state.silent[id] = text.split(" ")[0];
     }
     var frame = { type: "send", content: text, client_msg_id: id };
-    if (dialogId) {
-      frame.dialog_id = dialogId;
+    if (target) {
+      aim(frame, target);
     }
     if (!send(frame)) {
       delete state.silent[id];
@@ -454,10 +477,7 @@
     if (state.historyAsked && Date.now() - state.historyAskedAt < 10000) {
       return;
     }
-    var frame = { type: "history" };
-    if (history.dialogId) {
-      frame.dialog_id = history.dialogId;
-    }
+    var frame = aim({ type: "history" });
     if (send(frame)) {
       state.historyAsked = true;
       state.historyAskedAt = Date.now();
@@ -474,7 +494,9 @@
     state.older = null;
     state.historyAsked = false;
     state.stopping = false;
-    if (history.dialogId) {
+    if (isLinked(history.sessionId)) {
+      state.wantSession = history.sessionId;
+    } else if (history.dialogId) {
       state.wantDialog = history.dialogId;
     }
     renderPending();
@@ -524,6 +546,7 @@
     state.sessions = Array.isArray(frame.items) ? frame.items.slice() : [];
     state.serverCurrent = frame.current || null;
     renderSidebar();
+    updateReadOnly();
   }
 
   function findSession(sessionId) {
@@ -537,7 +560,7 @@
 
   function findDialog(dialogId) {
     for (var i = 0; i < state.sessions.length; i++) {
-      if (state.sessions[i].dialog_id === dialogId) {
+      if (state.sessions[i].dialog_id === dialogId && !isLinked(state.sessions[i].session_id)) {
         return state.sessions[i];
       }
     }
@@ -572,6 +595,7 @@
     }
     renderHeader();
     renderSidebar();
+    updateReadOnly();
     updateRunning();
     updateHash();
     scrollToBottom();
@@ -587,7 +611,11 @@
     // Restore the dialog the reader was on (after a reconnect, or from the address).
     var want = state.wantDialog;
     state.wantDialog = null;
-    if (want && want !== frame.dialog_id && findDialog(want)) {
+    var wantSession = state.wantSession;
+    state.wantSession = null;
+    if (wantSession && wantSession !== frame.session_id && findSession(wantSession)) {
+      openLinked(findSession(wantSession));
+    } else if (want && want !== frame.dialog_id && findDialog(want)) {
       sendCommand("/switch " + want, true);
     }
   }
@@ -1159,7 +1187,7 @@
   }
 
   function continueAnswer(button) {
-    if (send({ type: "continue", dialog_id: history.dialogId, client_msg_id: randomId() })) {
+    if (send(aim({ type: "continue", client_msg_id: randomId() }))) {
       button.hidden = true;
       clearTurnNote();
     } else {
@@ -1249,7 +1277,7 @@
     retry.appendChild(el("span", null, t("retry")));
     retry.addEventListener("click", function () {
       var id = randomId();
-      if (send({ type: "retry", dialog_id: history.dialogId, client_msg_id: id })) {
+      if (send(aim({ type: "retry", client_msg_id: id }))) {
         note.remove();
       } else {
         toast(t("offline_cannot_send"), "error");
@@ -1351,7 +1379,7 @@
   function updateRunning() {
     var running = isRunning();
     var stop = $("stop-button");
-    stop.hidden = !running;
+    stop.hidden = !running || currentReadOnly();
     stop.disabled = state.stopping;
     stop.querySelector(".stop-label").textContent = state.stopping ? t("stopping") : t("stop");
     stop.setAttribute("aria-label", state.stopping ? t("stopping") : t("stop") + " (Esc)");
@@ -1360,16 +1388,13 @@
   }
 
   function stopTurn() {
-    if (!isRunning() || state.stopping) {
+    if (!isRunning() || state.stopping || currentReadOnly()) {
       return;
     }
     // Answered by a `command_result` ("Stopped the running answer."): the UI shows the
     // outcome itself (the turn ends as cancelled), so the answer stays silent.
     var id = randomId();
-    var frame = { type: "stop", client_msg_id: id };
-    if (history.dialogId) {
-      frame.dialog_id = history.dialogId;
-    }
+    var frame = aim({ type: "stop", client_msg_id: id });
     state.silent[id] = "/stop";
     if (send(frame)) {
       state.stopping = true;
@@ -1419,7 +1444,8 @@
     if (!history.dialogId) {
       return;
     }
-    var hash = "#" + encodeURIComponent(history.dialogId);
+    var name = isLinked(history.sessionId) ? history.sessionId : history.dialogId;
+    var hash = "#" + encodeURIComponent(name);
     if (location.hash !== hash) {
       window.history.replaceState(null, "", location.pathname + location.search + hash);
     }
@@ -1438,14 +1464,31 @@
     if (!state.sessions.length) {
       frag.appendChild(el("p", "dialog-empty", state.loadedOnce ? t("no_dialogs") : ""));
     }
+    function startGroup(label, className) {
+      frag.appendChild(el("h2", "dialog-group" + (className ? " " + className : ""), label));
+      ul = el("ul", "dialog-group-list");
+      ul.setAttribute("role", "list");
+      frag.appendChild(ul);
+    }
+    var linked = [];
     state.sessions.forEach(function (item) {
+      if (isLinked(item.session_id)) {
+        linked.push(item);
+        return;
+      }
       var group = dayGroup(item.last_active_at);
       if (group !== currentGroup) {
         currentGroup = group;
-        frag.appendChild(el("h2", "dialog-group", t(group)));
-        ul = el("ul", "dialog-group-list");
-        ul.setAttribute("role", "list");
-        frag.appendChild(ul);
+        startGroup(t(group));
+      }
+      ul.appendChild(dialogItem(item));
+    });
+    // Linked chat-app dialogs: one group per platform, after the web chat's own.
+    currentGroup = null;
+    linked.forEach(function (item) {
+      if (item.channel !== currentGroup) {
+        currentGroup = item.channel;
+        startGroup(t("linked_group", { platform: platformName(item.channel) }), "dialog-group-linked");
       }
       ul.appendChild(dialogItem(item));
     });
@@ -1476,6 +1519,9 @@
     when.dateTime = item.last_active_at;
     when.title = fullTime(item.last_active_at);
     meta.appendChild(when);
+    if (item.read_only) {
+      meta.appendChild(el("span", "dialog-badge", t("read_only")));
+    }
     open.appendChild(title);
     open.appendChild(meta);
     if (unread) {
@@ -1485,9 +1531,12 @@
       open.appendChild(dot);
     }
     open.addEventListener("click", function () {
-      switchTo(item.dialog_id);
+      switchTo(item);
     });
     li.appendChild(open);
+    if (item.read_only) {
+      return li; // nothing to rename or delete
+    }
 
     var more = el("button", "icon-btn dialog-more");
     more.type = "button";
@@ -1503,18 +1552,56 @@
     return li;
   }
 
-  function switchTo(dialogId) {
+  function switchTo(item) {
     closeMenu();
-    if (dialogId === history.dialogId) {
+    if (item.session_id === history.sessionId) {
       closeSidebar();
       return;
     }
-    if (sendCommand("/switch " + dialogId, true)) {
+    if (isLinked(item.session_id) ? openLinked(item) : sendCommand("/switch " + item.dialog_id, true)) {
       $("app").classList.add("is-switching");
       setTimeout(function () {
         $("app").classList.remove("is-switching");
       }, 400);
     }
+  }
+
+  /** Open a linked chat-app dialog (/switch only knows the web chat's): its history, and
+   * its live answers from now on. */
+  function openLinked(item) {
+    var id = randomId();
+    if (!send({ type: "history", session_id: item.session_id, follow: true, client_msg_id: id })) {
+      toast(t("offline_cannot_send"), "error");
+      return false;
+    }
+    return true;
+  }
+
+  function platformName(channel) {
+    return { telegram: "Telegram", feishu: "Feishu / Lark" }[channel] || channel;
+  }
+
+  function currentReadOnly() {
+    var item = findSession(history.sessionId);
+    return Boolean(item && item.read_only);
+  }
+
+  /** A read-only linked dialog can be followed, not written to: the composer says so. */
+  function updateReadOnly() {
+    var item = findSession(history.sessionId);
+    var readOnly = Boolean(item && item.read_only);
+    var input = $("composer-input");
+    var note = $("composer-readonly");
+    if (!input.dataset.placeholder) {
+      input.dataset.placeholder = input.placeholder;
+    }
+    input.disabled = readOnly;
+    input.placeholder = readOnly ? t("read_only_placeholder") : input.dataset.placeholder;
+    note.hidden = !readOnly;
+    note.textContent = readOnly ? t("read_only_note", { platform: platformName(item.channel) }) : "";
+    $("app").classList.toggle("is-read-only", readOnly);
+    updateSendButton();
+    updateRunning();
   }
 
   function newDialog() {
@@ -1566,7 +1653,7 @@
 
   /** Run a command on one dialog of the list (`dialog_id` picks it; no switch needed). */
   function commandOn(item, text) {
-    sendCommand(text, true, item.dialog_id);
+    sendCommand(text, true, item);
   }
 
   function cleanTitle(text) {
@@ -1617,7 +1704,7 @@
   }
 
   function renameCurrentFromHeader() {
-    if (!history.sessionId) {
+    if (!history.sessionId || currentReadOnly()) {
       return;
     }
     var heading = $("chat-title");
@@ -1642,7 +1729,10 @@
       if (commit && title && title !== history.title) {
         history.title = title;
         renderHeader();
-        sendCommand("/rename " + title, true, history.dialogId);
+        sendCommand("/rename " + title, true, {
+          session_id: history.sessionId,
+          dialog_id: history.dialogId,
+        });
       }
     }
     input.addEventListener("keydown", function (event) {
@@ -1734,10 +1824,7 @@
       return;
     }
     var id = randomId();
-    var frame = { type: "history", before_seq: beforeSeq, limit: OLDER_PAGE, client_msg_id: id };
-    if (history.dialogId) {
-      frame.dialog_id = history.dialogId;
-    }
+    var frame = aim({ type: "history", before_seq: beforeSeq, limit: OLDER_PAGE, client_msg_id: id });
     if (send(frame)) {
       state.older = { id: id, beforeSeq: beforeSeq };
       renderOlderIndicator();
@@ -1761,7 +1848,7 @@
 
   function updateSendButton() {
     var input = $("composer-input");
-    $("send-button").disabled = !input.value.trim() || !isOpen();
+    $("send-button").disabled = !input.value.trim() || !isOpen() || input.disabled;
   }
 
   function sendMessage(content) {
@@ -1770,10 +1857,7 @@
       return false;
     }
     var id = randomId();
-    var frame = { type: "send", content: content, client_msg_id: id };
-    if (history.dialogId) {
-      frame.dialog_id = history.dialogId;
-    }
+    var frame = aim({ type: "send", content: content, client_msg_id: id });
     state.pending.push({ id: id, sessionId: history.sessionId, content: content, turnId: null });
     send(frame);
     clearTurnNote();
@@ -1792,6 +1876,9 @@
     }
     if (!isOpen()) {
       toast(t("offline_cannot_send"), "error");
+      return;
+    }
+    if (currentReadOnly()) {
       return;
     }
     var length = window.ChatHistory.codePointLength(content);
@@ -1853,7 +1940,10 @@
     } catch (err) {
       return null;
     }
-    return /^[A-Za-z0-9_.-]{1,64}$/.test(text) ? text : null;
+    // A dialog id, or the session id of a linked chat-app dialog (channel:chat:dialog).
+    return /^[A-Za-z0-9_.-]{1,64}$/.test(text) || /^[A-Za-z0-9_.-]{1,64}(:[A-Za-z0-9_.-]{1,64}){2}$/.test(text)
+      ? text
+      : null;
   }
 
   function init() {
@@ -1955,7 +2045,9 @@
     }, 60000);
 
     var wanted = dialogFromHash(location.hash || "");
-    if (wanted) {
+    if (wanted && isLinked(wanted) && wanted.indexOf(":") >= 0) {
+      state.wantSession = wanted;
+    } else if (wanted) {
       state.wantDialog = wanted;
     }
     renderHeader();

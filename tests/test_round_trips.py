@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from asgiref.sync import SyncToAsync
-from django.db import connection
+from django.db.backends.utils import CursorWrapper
 
 from tests.engine_helpers import make_dialog, send
 from tests.fakemodel import Reply
@@ -19,21 +17,18 @@ from tests.fakemodel import Reply
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 # G6 asks for at most 3 for a send to an idle dialog. Today a send costs this many statements
-# (commits not counted) before its first token: admission (lock the dialog, busy check, queue
-# and admission counts, the counter, the insert, the position), taking the lease with its
-# epoch, recovery of interrupted turns, the fenced claim, recording the user message, and
-# reading the context. Folding these into fewer round trips (one admission statement,
-# claim-on-admit for an idle dialog, the user message in the claim's transaction) is the
-# remaining work of G6.
-ROUND_TRIPS_BEFORE_FIRST_TOKEN = 20
-
-
-def _on_engine_thread(fn: Callable[[], Any]) -> Any:
-    return SyncToAsync.single_thread_executor.submit(fn).result(timeout=10)
+# (commits and SQLite's BEGIN not counted), on whichever thread runs them, before its first
+# token: admission (lock the dialog, busy check, queue and admission counts, the counter, the
+# insert, the position), taking the lease with its epoch, recovery of interrupted turns, the
+# fenced claim with the per-user slot check (F7), recording the user message, and reading the
+# context (memory, plan, compaction and history on pool threads). Folding these into fewer
+# round trips (one admission statement, claim-on-admit for an idle dialog, the user message in
+# the claim's transaction) is the remaining work of G6.
+ROUND_TRIPS_BEFORE_FIRST_TOKEN = 25  # 24 on SQLite, 25 on PostgreSQL (the owner-row lock)
 
 
 async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
-    make_engine, fake_model, user, settings
+    make_engine, fake_model, user, settings, monkeypatch
 ):
     # covers: G6 (pinned; see ROUND_TRIPS_BEFORE_FIRST_TOKEN)
     settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
@@ -42,24 +37,27 @@ async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
     await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
     statements: list[str] = []
     lock = threading.Lock()
+    counting = threading.Event()
+    real_execute = CursorWrapper._execute
 
-    def count(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        # SQLite's explicit BEGIN IMMEDIATE is not counted (PostgreSQL begins implicitly).
-        if not sql.startswith("BEGIN"):
+    def count(self: CursorWrapper, sql: str, params: Any, *ignored: Any) -> Any:
+        # Every thread: the ORM thread and the pool threads that read the context.
+        if counting.is_set() and not sql.startswith("BEGIN"):
             with lock:
                 statements.append(sql)
-        return execute(sql, params, many, context)
+        return real_execute(self, sql, params, *ignored)
 
-    _on_engine_thread(lambda: connection.execute_wrappers.append(count))
+    monkeypatch.setattr(CursorWrapper, "_execute", count)
     gate = threading.Event()
     fake_model.script(Reply(text="first token", gate=gate))
     try:
+        counting.set()
         await send(engine, session, "hello")
         await fake_model.requests_made(1)
         with lock:
             before_first_token = list(statements)
     finally:
-        _on_engine_thread(lambda: connection.execute_wrappers.remove(count))
+        counting.clear()
         gate.set()
     await engine.wait_idle(session.pk)
-    assert len(before_first_token) == ROUND_TRIPS_BEFORE_FIRST_TOKEN, "\n".join(before_first_token)
+    assert len(before_first_token) <= ROUND_TRIPS_BEFORE_FIRST_TOKEN, "\n".join(before_first_token)

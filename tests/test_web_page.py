@@ -126,9 +126,13 @@ def test_static_files_exist() -> None:
 
 def test_app_never_writes_unsanitised_html() -> None:
     # E1: model output is untrusted. The app builds DOM nodes; the only HTML it inserts is
-    # DOMPurify's fragment, so it has no innerHTML/outerHTML/insertAdjacentHTML writes.
-    source = (ROOT / "static" / "chat" / "app.js").read_text()
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):
-        assert sink not in source, sink
+    # DOMPurify's fragment, so no module has innerHTML/outerHTML/insertAdjacentHTML writes.
+    modules = sorted((ROOT / "static" / "chat").glob("*.js"))
+    assert len(modules) > 2, modules
+    for module in modules:
+        source = module.read_text()
+        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):
+            assert sink not in source, (module.name, sink)
+    source = (ROOT / "static" / "chat" / "markdown.js").read_text()
     assert "purifier.sanitize(" in source
     assert "RETURN_DOM_FRAGMENT: true" in source

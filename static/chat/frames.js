@@ -11,13 +11,8 @@ import {
   updateReadOnly,
   updateRunning,
 } from "./composer.js";
+import { isLinked } from "./format.js";
 import { renderHeader, updateHash } from "./header.js";
-import {
-  announce,
-  $,
-  t,
-  toast,
-} from "./ui.js";
 import {
   appendCommandLine,
   appendMessages,
@@ -37,9 +32,9 @@ import {
   updateEmpty,
 } from "./render.js";
 import { closeSidebar, openLinked, renderSidebar } from "./sidebar.js";
-import { isLinked } from "./format.js";
 import { history, store } from "./state.js";
 import { askHistory, send, sendCommand } from "./transport.js";
+import { $, announce, t, toast } from "./ui.js";
 
 export function handleFrame(frame) {
   switch (frame.type) {
@@ -175,10 +170,7 @@ function onQueued(frame) {
       // An idle inject is no turn: its message arrives as a delta.
       dropPending(pending);
     } else {
-      pending.turnId = frame.turn_id;
-      pending.position = frame.position;
-      pending.unconfirmed = false;
-      pending.sessionId = frame.session_id || pending.sessionId;
+      store.pendingQueued(pending, frame);
       renderPending();
     }
   }
@@ -344,7 +336,7 @@ function onError(frame) {
   }
   var pending = store.findPending(id);
   if (pending) {
-    pending.error = frame.message || t("error_generic");
+    store.pendingFailed(pending, frame.message || t("error_generic"));
     renderPending();
     return;
   }

@@ -187,6 +187,17 @@ export function createStore(history) {
         return p !== entry;
       });
     },
+    /** The server queued a pending message as `frame.turn_id` at `frame.position`. */
+    pendingQueued: function (entry, frame) {
+      entry.turnId = frame.turn_id;
+      entry.position = frame.position;
+      entry.unconfirmed = false;
+      entry.sessionId = frame.session_id || entry.sessionId;
+    },
+    /** The server refused a pending message (it shows why, with Edit and Dismiss). */
+    pendingFailed: function (entry, message) {
+      entry.error = message;
+    },
     /** The server may never confirm what it did not ack: mark those after a lost socket. */
     markUnconfirmed: function () {
       pending.forEach(function (p) {

@@ -8,7 +8,8 @@
  *   ui.js         config and translated strings, DOM helpers, toasts
  *   markdown.js   untrusted markdown -> sanitised DOM (marked + DOMPurify)
  *   transport.js  the socket: connect, backoff, send, aim at a dialog
- *   render.js     the transcript, streaming answer, notes, scrolling
+ *   render.js     the transcript, notes, older pages, scrolling
+ *   stream.js     the running turn's answer as it streams
  *   composer.js   send / stop / queued chips / read-only note
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over

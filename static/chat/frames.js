@@ -19,20 +19,18 @@ import {
   clearTurnNote,
   endContinuing,
   isNearBottom,
-  isStreaming,
   maybeLoadOlder,
   prependOlder,
   refreshContinue,
-  removeStreaming,
   renderOlderIndicator,
   renderTranscript,
   scrollToBottom,
-  showStreaming,
   showTurnNote,
   updateEmpty,
 } from "./render.js";
 import { closeSidebar, openLinked, renderSidebar } from "./sidebar.js";
 import { history, store } from "./state.js";
+import { isStreaming, removeStreaming, showStreaming } from "./stream.js";
 import { askHistory, send, sendCommand } from "./transport.js";
 import { $, announce, t, toast } from "./ui.js";
 

@@ -1,14 +1,14 @@
 /*
  * The transcript (E1, E5): committed messages (user text as plain text, answers as
- * sanitised markdown, tool chips and results), the streaming answer of the running turn
- * (D1), notes for stopped / failed / cut answers with Retry and Continue, older pages on
- * scroll, and the scroll position.
+ * sanitised markdown, tool chips and results), notes for stopped / failed / cut answers
+ * with Retry and Continue, older pages on scroll, and the scroll position. The running
+ * turn's answer is stream.js's.
  */
 import { fullTime } from "./format.js";
-import { appendCaret, copyText, renderMarkdownInto } from "./markdown.js";
+import { copyText, renderMarkdownInto } from "./markdown.js";
 import { history, store } from "./state.js";
 import { aim, isOpen, send } from "./transport.js";
-import { $, announce, config, el, icon, LANG, randomId, t, toast } from "./ui.js";
+import { $, config, el, icon, LANG, randomId, t, toast } from "./ui.js";
 
 var OLDER_PAGE = 50;
 var NEAR_BOTTOM_PX = 80;
@@ -290,7 +290,7 @@ function messageActions(m) {
   return bar;
 }
 
-function toolChips(tools) {
+export function toolChips(tools) {
   var row = el("div", "tool-chips");
   tools.forEach(function (tool) {
     var status = tool.status || "running";
@@ -358,88 +358,4 @@ export function showTurnNote(kind, text, action) {
   });
   note.appendChild(retry);
   appendSticky(note);
-}
-
-// --- Streaming answer (D1) ------------------------------------------------------------------
-
-/** Show the running turn's answer so far (painted once per animation frame). */
-export function showStreaming(turnId, text, tools) {
-  var s = store.streaming();
-  if (!s || s.turnId !== turnId) {
-    removeStreaming();
-    var node = el("div", "msg msg-assistant msg-streaming");
-    node.dataset.turn = turnId;
-    node.setAttribute("aria-busy", "true");
-    var toolsBox = el("div", "tool-box");
-    var body = el("div", "md");
-    node.appendChild(toolsBox);
-    node.appendChild(body);
-    if (store.isContinuing(turnId)) {
-      // E5: the rest of a cut answer streams in right under it, as its continuation.
-      node.classList.add("is-continuation");
-      var cut = $("messages").querySelectorAll(".msg-cut");
-      if (cut.length) {
-        cut[cut.length - 1].classList.add("is-continuing");
-      }
-    }
-    $("live").appendChild(node);
-    s = { turnId: turnId, el: node, body: body, toolsBox: toolsBox };
-    store.setStreaming(s);
-    announce(t("streaming"));
-    updateEmpty();
-  }
-  s.text = text;
-  s.tools = tools || [];
-  if (!s.scheduled) {
-    s.scheduled = true;
-    requestAnimationFrame(function () {
-      s.scheduled = false;
-      if (store.streaming() === s) {
-        paintStreaming(s);
-      }
-    });
-  }
-}
-
-function paintStreaming(s) {
-  var stick = isNearBottom();
-  if (s.tools && s.tools.length) {
-    s.toolsBox.replaceChildren(toolChips(s.tools));
-  } else {
-    s.toolsBox.replaceChildren();
-  }
-  if (s.text) {
-    renderMarkdownInto(s.body, s.text, true);
-    appendCaret(s.body);
-    s.el.classList.remove("is-thinking");
-  } else {
-    s.body.replaceChildren(thinkingDots());
-    s.el.classList.add("is-thinking");
-  }
-  if (stick) {
-    scrollToBottom();
-  }
-}
-
-function thinkingDots() {
-  var box = el("div", "thinking");
-  box.setAttribute("aria-label", t("thinking"));
-  for (var i = 0; i < 3; i++) {
-    box.appendChild(el("span", "dot"));
-  }
-  return box;
-}
-
-export function removeStreaming() {
-  var s = store.streaming();
-  if (s) {
-    s.el.remove();
-    store.setStreaming(null);
-  }
-}
-
-/** Whether the streaming answer belongs to `turnId`. */
-export function isStreaming(turnId) {
-  var s = store.streaming();
-  return Boolean(s) && s.turnId === turnId;
 }

@@ -14,11 +14,11 @@ import httpx
 import pytest
 from playwright.sync_api import expect
 
+from tests.browser import CHROMIUM, PASSWORD, Tab, _require_chromium, _screenshot
 from tests.fakemodel import FakeModelServer, Reply, echo_reply
 from tests.fakeplatforms import TELEGRAM_TOKEN, FakeTelegram
 from tests.procs import ServeProcess as Served
 from tests.procs import embedded_env, manage
-from tests.test_browser import CHROMIUM, PASSWORD, Tab, _require_chromium, _screenshot
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """Cut answers in the web chat, in a real headless Chromium (SPEC E1, E5): an answer the model
 stopped at its length limit looks cut (a marker, a notice, a Continue button) and Continue
 appends the rest to the same answer; an answer withheld by the content filter says so.
-Servers and the browser are set up as in test_browser.py, whose fixtures are used here."""
+Servers and the browser are set up as in tests/browser.py, whose fixtures are used here."""
 
 # ruff: noqa: F811 - the imported fixtures are requested by name as test arguments
 
@@ -13,8 +13,7 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.fakemodel import FakeModelServer, Reply
-from tests.test_browser import (  # noqa: F401 - the shared fixtures
+from tests.browser import (  # noqa: F401 - the shared fixtures
     Tab,
     _screenshot,
     browser,
@@ -23,6 +22,7 @@ from tests.test_browser import (  # noqa: F401 - the shared fixtures
     served,
     tab,
 )
+from tests.fakemodel import FakeModelServer, Reply
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from playwright.sync_api import expect
 
+from tests.browser import Tab, browser, model, served  # noqa: F401 - shared fixtures
 from tests.fakemodel import FakeModelServer, echo_reply
 from tests.procs import ServeProcess as Served
-from tests.test_browser import Tab, browser, model, served  # noqa: F401 - shared fixtures
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -31,19 +31,15 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from chatcore.engine import commands, publish, runtime
-from chatcore.engine.clientstate import (
-    SnapshotRelay,
-    request_full_snapshot,
-    session_history_frame,
-    sessions_frame,
-)
-from chatcore.engine.engine import Engine, Inbound
+from chatcore.engine.clientstate import session_history_frame, sessions_frame
+from chatcore.engine.engine import Engine
 from chatcore.engine.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
 from chatcore.engine.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
-from chatcore.engine.sessions import resolve_dialog
 
 from . import logins, selectors
+from .connection import ChannelConnection
 from .frames import parse_client_frame
+from .frames_out import command_result_frame, error_frame
 from .models import Session
 
 logger = logging.getLogger(__name__)
@@ -63,14 +59,6 @@ SESSIONS_COALESCE_SECONDS = 0.05
 REFRESH_SESSIONS = "sessions.refresh"
 # Turns whose terminal this connection relayed; a late snapshot of one is dropped.
 ENDED_TURNS_KEPT = 256
-
-
-def error_frame(exc: ChatError, client_msg_id: str | None) -> dict[str, Any]:
-    """The one place a domain error becomes a WebSocket `error` frame (STYLE 9)."""
-    frame: dict[str, Any] = {"type": "error", "client_msg_id": client_msg_id, **exc.as_dict()}
-    if exc.retry_after is not None:
-        frame["retry_after"] = round(exc.retry_after, 1)
-    return frame
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str:
@@ -124,10 +112,8 @@ def _optional_int(data: dict[str, Any], name: str, *, low: int, high: int | None
 class ChatConsumer(AsyncWebsocketConsumer):
     user: User | None = None
     engine: Engine
+    conn: ChannelConnection | None = None
     chat_id: str = ""
-    chat_group: str = ""
-    session_group: str = ""
-    current: Session | None = None
     language: str = "en"
     # F8: the credential this connection rides on; once it ends, nothing more is sent.
     login: logins.Login | None = None
@@ -149,7 +135,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if not await self._register(user):
             return
         self.user = user
-        self.relay = SnapshotRelay()
+        self.chat_id = owner_chat_id(user.pk)
+        self.conn = ChannelConnection(
+            engine=self.engine,
+            user=user,
+            channel=CHANNEL,
+            chat_id=self.chat_id,
+            layer=self.channel_layer,
+            reply_channel=self.channel_name,
+        )
         self.ended: deque[str] = deque(maxlen=ENDED_TURNS_KEPT)
         self.sessions_pending = False
         self.sessions_task: asyncio.Task[None] | None = None
@@ -162,8 +156,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
         # The current dialog was deleted elsewhere and no other was left: the next frame
         # that needs it resolves one as in B1.
         self.current_gone = False
-        self.chat_id = owner_chat_id(user.pk)
-        self.chat_group = publish.chat_group(CHANNEL, self.chat_id)
         self.login = self.scope.get("login")
         if self.login is not None:
             # F8: before anything else, so an ending login is never missed.
@@ -173,10 +165,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         )[0]
         with translation.override(self.language):
             # D3: join the fan-out before reading any state, so nothing falls in between.
-            await self.channel_layer.group_add(self.chat_group, self.channel_name)
-            current = await database_sync_to_async(self._initial_dialog)(requested)
+            await self.conn.join_chat()
+            current = await database_sync_to_async(self.conn.resolve_or_latest)(requested)
             await self.accept()
-            await self._follow(current)
+            await self.conn.follow(current)
             await self._send_sessions()
             await self._send_history(current)
         self.engine.layer_watch.register(self._layer_lost)
@@ -216,22 +208,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self.close(code=CLOSE_TOO_MANY_SOCKETS)
         return False
 
-    def _initial_dialog(self, requested: str | None) -> Session:
-        """B1, with `?dialog_id=` picking a dialog when it exists."""
-        assert self.user is not None
-        if requested:
-            try:
-                return resolve_dialog(
-                    owner=self.user, channel=CHANNEL, chat_id=self.chat_id, dialog_id=requested
-                )
-            except ChatError:
-                pass
-        return resolve_dialog(owner=self.user, channel=CHANNEL, chat_id=self.chat_id)
-
     async def disconnect(self, code: int) -> None:
         # The engine keeps running any turn (STYLE 5); only this connection's fan-out ends.
         await self._unregister()
-        if self.user is None:
+        if self.user is None or self.conn is None:
             return
         if self.login is not None:
             await logins.leave(self.channel_name, self.login)
@@ -240,31 +220,23 @@ class ChatConsumer(AsyncWebsocketConsumer):
             engine.layer_watch.unregister(self._layer_lost)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
-        for group in (self.chat_group, self.session_group, *self.linked_groups):
-            if group:
-                await self.channel_layer.group_discard(group, self.channel_name)
+        await self.conn.leave()
+        for group in self.linked_groups:
+            await self.channel_layer.group_discard(group, self.channel_name)
 
     async def _layer_lost(self) -> None:
         await self.close(code=CLOSE_RESYNC)
 
-    async def _follow(self, session: Session) -> None:
-        """Make `session` the current dialog: its snapshots reach this connection (and no
-        other dialog's). The caller then sends its `session_history`, which re-seeds the
-        relay."""
-        group = publish.session_group(session.pk)
-        if group != self.session_group:
-            await self.channel_layer.group_add(group, self.channel_name)
-            if self.session_group:
-                await self.channel_layer.group_discard(self.session_group, self.channel_name)
-            self.session_group = group
-        self.current = session
-        self.relay.reset()
+    @property
+    def current(self) -> Session | None:
+        return self.conn.current if self.conn is not None else None
 
     async def _move(self, session: Session) -> None:
         """The current dialog changed without a command of this connection: tell the client
         (`sessions`, then the new `session_history`)."""
         self.current_gone = False
-        await self._follow(session)
+        assert self.conn is not None
+        await self.conn.follow(session)
         await self._send_sessions()
         await self._send_history(session)
 
@@ -322,11 +294,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
         frame = await database_sync_to_async(session_history_frame)(**kwargs)
         if before_seq is None:
             self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
-            if self.current is not None and session.pk == self.current.pk:
+            if self.conn is not None and self.current is not None and session.pk == self.current.pk:
                 # The client replaces its view of the running turn with `active_turn`; tails
                 # continue from there (D3).
-                self.relay.reset()
-                self.relay.seed(frame["active_turn"])
+                self.conn.seed(frame["active_turn"])
         if client_msg_id is not None:
             frame["client_msg_id"] = client_msg_id
         await self._send(frame)
@@ -362,11 +333,11 @@ class ChatConsumer(AsyncWebsocketConsumer):
     def _parse(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
         return parse_client_frame(text_data, bytes_data)
 
-    async def _target(self, data: dict[str, Any], *, write: bool = False) -> Session:
+    async def _target(self, data: dict[str, Any]) -> Session:
         """The dialog a frame is about: its `dialog_id` (one of this user's live dialogs of
         the web chat, else not_found), its `session_id` (that, or a chat-app dialog linked
-        to this user), or the connection's current dialog. A `write` into a dialog that is
-        read-only for this user is refused (`read_only`)."""
+        to this user), or the connection's current dialog. Writes into a dialog read-only
+        for this user are refused on the way to the engine (`read_only`)."""
         assert self.user is not None and self.current is not None
         raw = data.get("dialog_id")
         raw_session = data.get("session_id")
@@ -381,12 +352,10 @@ class ChatConsumer(AsyncWebsocketConsumer):
             )
         else:
             if self.current_gone:
-                await self._move(await database_sync_to_async(self._initial_dialog)(None))
+                assert self.conn is not None
+                await self._move(await database_sync_to_async(self.conn.resolve)())
             target = self.current
-        if write:
-            await database_sync_to_async(selectors.dialog_check_writable)(
-                user_id=self.user.pk, session=target
-            )
+        assert target is not None
         return target
 
     def _session_target(self, raw: object) -> Session:
@@ -410,56 +379,37 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._submit(data, client_msg_id, "inject")
 
     async def _submit(self, data: dict[str, Any], client_msg_id: str | None, mode: str) -> None:
-        assert self.user is not None
+        assert self.conn is not None
         content = data.get("content")
         if not isinstance(content, str):
             raise BadRequest(_("content must be a string."))
         target = await self._target(data)
-        if mode == "send" and commands.is_command(content):
-            await self._command(content, target, client_msg_id)
-            return
-        # The engine refuses a send, steer or inject into a read-only dialog (`read_only`).
-        inbound = Inbound(
-            owner=self.user,
-            channel=CHANNEL,
-            chat_id=self.chat_id,
-            content=content,
-            sender_id=str(self.user.pk),
-            mode=mode,
-            client_msg_id=client_msg_id or "",
+        answer = await self.conn.send_or_command(
+            content, target, mode=mode, client_msg_id=client_msg_id or ""
         )
-        ack = await self.engine.submit(inbound, target)
-        await self._send(ack.frame())
+        if isinstance(answer, commands.CommandResult):
+            await self._command_done(answer, target, client_msg_id)
+        else:
+            await self._send(answer.frame())
 
-    async def _command(self, text: str, target: Session, client_msg_id: str | None) -> None:
-        """B3: one `command_result` (or an error), then the state frames it causes."""
-        assert self.user is not None and self.current is not None
-        if commands.writes_dialog(text):
-            await database_sync_to_async(selectors.dialog_check_writable)(
-                user_id=self.user.pk, session=target
-            )
-        ctx = commands.CommandContext(
-            owner=self.user,
-            channel=CHANNEL,
-            chat_id=self.chat_id,
-            current=target,
-            engine=self.engine,
-        )
-        result = await commands.run_command(ctx, text)
+    async def _command_done(
+        self, result: commands.CommandResult, target: Session, client_msg_id: str | None
+    ) -> None:
+        """B3: one `command_result`, then the state frames the command caused."""
+        assert self.conn is not None and self.current is not None
         if "history" in result.effects and result.current is not None:
             # /new and /switch move this connection; /delete does when it deleted the
             # connection's own current dialog (a `dialog_id` may name another one).
             moved = not (result.command == "delete" and target.pk != self.current.pk)
             if moved:
-                await self._follow(result.current)
+                await self.conn.follow(result.current)
         await self._send(
-            {
-                "type": "command_result",
-                "client_msg_id": client_msg_id,
-                "command": result.command,
-                "ok": result.ok,
-                "content": result.content,
-            }
+            command_result_frame(
+                client_msg_id=client_msg_id,
+                command=result.command,
+                ok=result.ok,
+                content=result.content,
+            )
         )
         if "sessions" in result.effects:
             await self._send_sessions()
@@ -473,21 +423,20 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def _on_stop(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         # C6: the same path as `/stop`, answered by `command_result` "stop".
-        await self._command("/stop", await self._target(data), client_msg_id)
+        assert self.conn is not None
+        target = await self._target(data)
+        await self._command_done(await self.conn.stop(target), target, client_msg_id)
 
     async def _on_retry(self, data: dict[str, Any], client_msg_id: str | None) -> None:
-        assert self.user is not None
-        target = await self._target(data, write=True)
-        ack = await self.engine.retry(target, owner=self.user, client_msg_id=client_msg_id or "")
-        await self._send(ack.frame())
+        assert self.conn is not None
+        target = await self._target(data)
+        await self._send((await self.conn.retry(target, client_msg_id=client_msg_id or "")).frame())
 
     async def _on_continue(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         # E5: go on with a cut answer; answered by `queued` (mode `continue`) or `error`.
-        assert self.user is not None
-        target = await self._target(data, write=True)
-        ack = await self.engine.continue_answer(
-            target, owner=self.user, client_msg_id=client_msg_id or ""
-        )
+        assert self.conn is not None
+        target = await self._target(data)
+        ack = await self.conn.continue_answer(target, client_msg_id=client_msg_id or "")
         await self._send(ack.frame())
 
     async def _on_history(self, data: dict[str, Any], client_msg_id: str | None) -> None:
@@ -501,7 +450,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
             # The dialog becomes this connection's current one: its snapshots stream here
             # (how the web chat opens a linked chat-app dialog, which /switch cannot name).
             self.current_gone = False
-            await self._follow(target)
+            assert self.conn is not None
+            await self.conn.follow(target)
         await self._send_history(
             target, before_seq=before_seq, limit=limit, client_msg_id=client_msg_id
         )
@@ -545,7 +495,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
                 return
             await self._send(frame)
         elif kind == "turn_updated":
-            self.relay.forget(frame["turn_id"])
+            if self.conn is not None:
+                self.conn.relay.forget(frame["turn_id"])
             self.ended.append(frame["turn_id"])
             await self._send(frame)
         elif kind == "history_delta":
@@ -573,14 +524,15 @@ class ChatConsumer(AsyncWebsocketConsumer):
         """D1, D3: snapshots of the current dialog only, each applying contiguously to what
         this client has; a gap asks the turn's process for a full snapshot (it arrives on
         this connection's own channel)."""
-        if self.current is None or frame.get("session_id") != self.current.session_id:
+        if (
+            self.conn is None
+            or self.current is None
+            or frame.get("session_id") != self.current.session_id
+        ):
             return  # a frame still in flight from the dialog this connection left
-        turn_id = frame.get("turn_id")
-        if turn_id in self.ended:
+        if frame.get("turn_id") in self.ended:
             return
-        out, ask = self.relay.relay(frame)
-        if ask:
-            await request_full_snapshot(str(turn_id), self.channel_name)
+        out = await self.conn.relay_snapshot(frame)
         if out is not None:
             await self._send(out)
 

@@ -956,9 +956,9 @@ async def test_sse_sends_keepalives_while_silent(
     api: Api, fake_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # covers: E3
-    from sessions_app import api as api_module
+    from sessions_app import sse as sse_module
 
-    monkeypatch.setattr(api_module, "SSE_KEEPALIVE_SECONDS", 0.05)
+    monkeypatch.setattr(sse_module, "SSE_KEEPALIVE_SECONDS", 0.05)
     s = await api.create(dialog_id="sse-quiet")
     gate = threading.Event()
     fake_model.script(Reply(text="late", gate=gate))
@@ -988,9 +988,9 @@ async def test_sse_over_redis_keeps_every_frame_across_keepalives(
 
     from chatcore.engine.engine import Engine
     from chatcore.engine.provider import OpenAIProvider
-    from sessions_app import api as api_module
+    from sessions_app import sse as sse_module
 
-    monkeypatch.setattr(api_module, "SSE_KEEPALIVE_SECONDS", 0.01)
+    monkeypatch.setattr(sse_module, "SSE_KEEPALIVE_SECONDS", 0.01)
     layers = {
         "default": {
             "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
@@ -1038,10 +1038,10 @@ async def test_sse_ends_with_the_stored_terminal_when_the_layer_loses_it(
 ) -> None:
     # covers: C2, E3: every accepted send ends with one terminal, on the stream too.
     from chatcore.engine import publish
-    from sessions_app import api as api_module
+    from sessions_app import sse as sse_module
 
-    monkeypatch.setattr(api_module, "SSE_KEEPALIVE_SECONDS", 0.05)
-    monkeypatch.setattr(api_module, "SSE_TERMINAL_GRACE_SECONDS", 0.1)
+    monkeypatch.setattr(sse_module, "SSE_KEEPALIVE_SECONDS", 0.05)
+    monkeypatch.setattr(sse_module, "SSE_TERMINAL_GRACE_SECONDS", 0.1)
     original = publish.apublish
 
     async def lossy(group: str, frame: dict[str, Any]) -> None:

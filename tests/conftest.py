@@ -213,3 +213,29 @@ async def engine(make_engine: Callable[..., Any]) -> AsyncIterator[Any]:
         yield started
     finally:
         runtime.set_engine(None)
+
+
+# --- WebSocket clients ---------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def connect(engine: Any) -> AsyncIterator[Callable[..., Any]]:
+    """Open authenticated connections (bearer token) that read their connect frames."""
+    from tests.ws_helpers import WS, bearer, open_ws
+
+    opened: list[WS] = []
+
+    async def factory(user: Any, path: str = "/ws/chat/") -> WS:
+        ws, connected = await open_ws(await bearer(user), path)
+        assert connected
+        opened.append(ws)
+        sessions = await ws.next()
+        assert sessions["type"] == "sessions"
+        hist = await ws.next()
+        assert hist["type"] == "session_history"
+        ws.sessions, ws.history = sessions, hist
+        return ws
+
+    yield factory
+    for ws in opened:
+        await ws.close()

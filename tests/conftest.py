@@ -239,3 +239,18 @@ async def connect(engine: Any) -> AsyncIterator[Callable[..., Any]]:
     yield factory
     for ws in opened:
         await ws.close()
+
+
+# --- REST API clients ----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def api(engine: Any, user: Any) -> Any:
+    """A bearer-token client of the REST API for `user`, with fresh rate-limit counters."""
+    from asgiref.sync import sync_to_async
+    from django.core.cache import cache
+
+    from tests.api_helpers import bearer_api
+
+    await sync_to_async(cache.clear)()  # rate-limit counters of earlier tests
+    return await bearer_api(user)

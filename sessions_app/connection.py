@@ -62,8 +62,8 @@ async def run_command(
     engine: Engine | None, ctx: commands.CommandContext, text: str
 ) -> commands.CommandResult:
     """B3: a slash command, refused during shutdown exactly as a send is (`shutting_down`):
-    a closing engine writes nothing new."""
-    if engine is not None and engine.closing:
+    a closing engine writes nothing new. `/stop` only ever reduces work and still runs."""
+    if engine is not None and engine.closing and commands.parse(text)[0] != "stop":
         raise ShuttingDown()
     return await commands.run_command(ctx, text)
 

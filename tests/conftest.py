@@ -254,3 +254,8 @@ async def api(engine: Any, user: Any) -> Any:
 
     await sync_to_async(cache.clear)()  # rate-limit counters of earlier tests
     return await bearer_api(user)
+
+
+# --- Telegram: a fake Bot API server and bots on the real webhook route ---------------------
+
+from tests.telegram_helpers import bot, bot_with, fake_telegram  # noqa: E402, F401

@@ -1,29 +1,24 @@
 """The web chat's WebSocket, `/ws/chat/` (PROTOCOL "WebSocket: /ws/chat/"; SPEC D, E1, F2,
 F3, F6).
 
-A thin channel (STYLE 1, 5): it parses and validates client frames, forwards them to the
-engine (sends, commands, stop, retry) or to the client-state readers (history, sessions), and
-relays the engine's events. It owns no turn: closing the socket mid-turn neither stops nor
-loses anything.
+A thin channel (STYLE 1, 5): it parses and validates client frames and forwards them through
+its `ChannelConnection` (sends, commands, stop, retry, continue) or to the client-state
+readers (history, sessions). Relaying the engine's events is its base class's part
+(`ws_events.ChatEventsConsumer`). It owns no turn: closing the socket mid-turn neither stops
+nor loses anything.
 
-Per connection it keeps only what delivery needs: the current dialog (whose snapshots it
-follows) and a `SnapshotRelay`, so every snapshot tail it sends applies contiguously (D1, D3).
 Client frames are handled one at a time, in order (a `send` after `/new` lands in the new
 dialog); each connection is its own task, so a slow frame never holds up another connection.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-from collections import deque
 from typing import Any
 from urllib.parse import parse_qs
 
 from asgiref.sync import sync_to_async
 from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.http.cookie import parse_cookie
@@ -31,20 +26,18 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from chatcore.engine import commands, publish, runtime
-from chatcore.engine.clientstate import session_history_frame, sessions_frame
-from chatcore.engine.engine import Engine
 from chatcore.engine.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
 from chatcore.engine.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 
 from . import logins, selectors
 from .connection import ChannelConnection
-from .frames import parse_client_frame
+from .frames import optional_int, parse_client_frame
 from .frames_out import command_result_frame, error_frame
 from .models import Session
+from .ws_events import CHANNEL, ChatEventsConsumer
 
 logger = logging.getLogger(__name__)
 
-CHANNEL = "web"
 # PROTOCOL: unauthenticated connections are accepted, then closed with this code.
 CLOSE_UNAUTHENTICATED = 4401
 # G5: the channel layer lost frames (a Redis restart): the client reconnects and resyncs
@@ -53,12 +46,6 @@ CLOSE_RESYNC = 4012
 # F7: a user's socket past CHAT["USER_SOCKETS_MAX"] gets a `rate_limited` error frame, then
 # this close code (429 as in HTTP).
 CLOSE_TOO_MANY_SOCKETS = 4429
-# Several `sessions_changed` events within this window produce one `sessions` frame.
-SESSIONS_COALESCE_SECONDS = 0.05
-# Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
-REFRESH_SESSIONS = "sessions.refresh"
-# Turns whose terminal this connection relayed; a late snapshot of one is dropped.
-ENDED_TURNS_KEPT = 256
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str:
@@ -88,39 +75,12 @@ def _language(scope: dict[str, Any]) -> str:
     return settings.LANGUAGE_CODE
 
 
-def _membership(frame: dict[str, Any]) -> tuple[str | None, frozenset[str]]:
-    return frame["current"], frozenset(item["session_id"] for item in frame["items"])
+class ChatConsumer(ChatEventsConsumer):
+    """The web chat's socket: its lifecycle and the client's frames; relaying what the
+    engine publishes is the base class's part (`ws_events`)."""
 
-
-def _optional_int(data: dict[str, Any], name: str, *, low: int, high: int | None) -> int | None:
-    value = data.get(name)
-    if value is None:
-        return None
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or value < low
-        or (high is not None and value > high)
-    ):
-        bounds = f"{low}..{high}" if high is not None else f">= {low}"
-        raise BadRequest(
-            _("%(name)s must be an integer (%(bounds)s).") % {"name": name, "bounds": bounds}
-        )
-    return value
-
-
-class ChatConsumer(AsyncWebsocketConsumer):
-    user: User | None = None
-    engine: Engine
-    conn: ChannelConnection | None = None
-    chat_id: str = ""
     language: str = "en"
-    # F8: the credential this connection rides on; once it ends, nothing more is sent.
-    login: logins.Login | None = None
-    login_over = False
     registered = False
-    # Chat groups of the chat-app dialogs linked to this user (their deltas and terminals).
-    linked_groups: frozenset[str] = frozenset()
 
     # --- connection ------------------------------------------------------------------------
 
@@ -144,18 +104,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
             layer=self.channel_layer,
             reply_channel=self.channel_name,
         )
-        self.ended: deque[str] = deque(maxlen=ENDED_TURNS_KEPT)
-        self.sessions_pending = False
-        self.sessions_task: asyncio.Task[None] | None = None
-        # What the last `sessions` frame told the client: the current dialog and which
-        # dialogs exist (`sessions_changed` is about creation, deletion and restore).
-        self.sessions_shown: tuple[str | None, frozenset[str]] | None = None
-        self.echoed_updates: dict[str, dict[str, Any]] = {}
-        # Per dialog, the message ids of the last `session_history` (latest page) sent.
-        self.history_sent: dict[str, frozenset[str]] = {}
-        # The current dialog was deleted elsewhere and no other was left: the next frame
-        # that needs it resolves one as in B1.
-        self.current_gone = False
+        self.start_relaying()
         self.login = self.scope.get("login")
         if self.login is not None:
             # F8: before anything else, so an ending login is never missed.
@@ -226,81 +175,6 @@ class ChatConsumer(AsyncWebsocketConsumer):
 
     async def _layer_lost(self) -> None:
         await self.close(code=CLOSE_RESYNC)
-
-    @property
-    def current(self) -> Session | None:
-        return self.conn.current if self.conn is not None else None
-
-    async def _move(self, session: Session) -> None:
-        """The current dialog changed without a command of this connection: tell the client
-        (`sessions`, then the new `session_history`)."""
-        self.current_gone = False
-        assert self.conn is not None
-        await self.conn.follow(session)
-        await self._send_sessions()
-        await self._send_history(session)
-
-    # --- sending ---------------------------------------------------------------------------
-
-    async def _send(self, frame: dict[str, Any]) -> None:
-        if self.login_over:
-            return
-        await self.send(
-            text_data=json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
-        )
-
-    async def _send_sessions(self, client_msg_id: str | None = None) -> None:
-        assert self.user is not None
-        frame = await database_sync_to_async(sessions_frame)(
-            owner_id=self.user.pk,
-            channel=CHANNEL,
-            chat_id=self.chat_id,
-            current=self.current,
-            linked=True,
-        )
-        await self._join_linked(frame)
-        self.sessions_shown = _membership(frame)
-        if client_msg_id is not None:
-            frame = {**frame, "client_msg_id": client_msg_id}
-        await self._send(frame)
-
-    async def _join_linked(self, frame: dict[str, Any]) -> None:
-        """Follow the chats of the linked chat-app dialogs a `sessions` frame lists (their
-        deltas, terminals and renames reach this connection as the web chat's do)."""
-        groups = {
-            publish.chat_group(item["channel"], item["chat_id"])
-            for item in frame["items"]
-            if item["channel"] not in FIRST_PARTY_CHANNELS
-        }
-        for group in groups - self.linked_groups:
-            await self.channel_layer.group_add(group, self.channel_name)
-        for group in self.linked_groups - groups:
-            await self.channel_layer.group_discard(group, self.channel_name)
-        self.linked_groups = frozenset(groups)
-
-    async def _send_history(
-        self,
-        session: Session,
-        *,
-        before_seq: int | None = None,
-        limit: int | None = None,
-        client_msg_id: str | None = None,
-    ) -> None:
-        kwargs: dict[str, Any] = {"session": session, "engine": self.engine}
-        if before_seq is not None:
-            kwargs["before_seq"] = before_seq
-        if limit is not None:
-            kwargs["limit"] = limit
-        frame = await database_sync_to_async(session_history_frame)(**kwargs)
-        if before_seq is None:
-            self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
-            if self.conn is not None and self.current is not None and session.pk == self.current.pk:
-                # The client replaces its view of the running turn with `active_turn`; tails
-                # continue from there (D3).
-                self.conn.seed(frame["active_turn"])
-        if client_msg_id is not None:
-            frame["client_msg_id"] = client_msg_id
-        await self._send(frame)
 
     # --- client frames ---------------------------------------------------------------------
 
@@ -440,8 +314,8 @@ class ChatConsumer(AsyncWebsocketConsumer):
         await self._send(ack.frame())
 
     async def _on_history(self, data: dict[str, Any], client_msg_id: str | None) -> None:
-        before_seq = _optional_int(data, "before_seq", low=1, high=None)
-        limit = _optional_int(data, "limit", low=1, high=selectors.HISTORY_PAGE_MAX)
+        before_seq = optional_int(data, "before_seq", low=1, high=None)
+        limit = optional_int(data, "limit", low=1, high=selectors.HISTORY_PAGE_MAX)
         follow = data.get("follow", False)
         if not isinstance(follow, bool):
             raise BadRequest(_("follow must be true or false."))
@@ -469,121 +343,3 @@ class ChatConsumer(AsyncWebsocketConsumer):
         "history": _on_history,
         "sessions": _on_sessions,
     }
-
-    # --- published events -----------------------------------------------------------------
-
-    async def dispatch(self, message: dict[str, Any]) -> None:
-        if message.get("type") == publish.EVENT_TYPE:
-            # Relaying touches no database: skip channels' per-message close_old_connections,
-            # a round trip to the one ORM thread for every snapshot frame (STYLE 6).
-            await self.chat_event(message)
-            return
-        await super().dispatch(message)
-
-    async def chat_event(self, message: dict[str, Any]) -> None:
-        frame = message.get("frame")
-        if self.user is None or not isinstance(frame, dict):
-            return
-        kind = frame.get("type")
-        if kind == "turn_snapshot":
-            await self._relay_snapshot(frame)
-        elif kind == "sessions_changed":
-            self._sessions_changed()
-        elif kind == "session_updated":
-            if self.echoed_updates.get(frame.get("session_id", "")) == frame:
-                del self.echoed_updates[frame["session_id"]]
-                return
-            await self._send(frame)
-        elif kind == "turn_updated":
-            if self.conn is not None:
-                self.conn.relay.forget(frame["turn_id"])
-            self.ended.append(frame["turn_id"])
-            await self._send(frame)
-        elif kind == "history_delta":
-            # D2: every dialog of the chat; a delta whose messages a `session_history` sent
-            # after it was published already holds (e.g. the welcome of a dialog created on
-            # connect or by /new) is not sent again. Compared by message id, not revision: a
-            # re-created dialog reuses its session id and starts again at seq 1.
-            shown = self.history_sent.get(frame["session_id"])
-            if shown is not None and all(m["id"] in shown for m in frame["messages"]):
-                return
-            await self._send(frame)
-        else:
-            # system_notification, and frames this version does not know: relayed as they are.
-            await self._send(frame)
-
-    async def login_ended(self, message: dict[str, Any]) -> None:
-        """F8: the login ended (logout, token revoked, user deactivated), here or in another
-        process: close as an unauthenticated connection is closed."""
-        if self.login_over:
-            return
-        self.login_over = True
-        await self.close(code=logins.CLOSE_LOGIN_ENDED)
-
-    async def _relay_snapshot(self, frame: dict[str, Any]) -> None:
-        """D1, D3: snapshots of the current dialog only, each applying contiguously to what
-        this client has; a gap asks the turn's process for a full snapshot (it arrives on
-        this connection's own channel)."""
-        if (
-            self.conn is None
-            or self.current is None
-            or frame.get("session_id") != self.current.session_id
-        ):
-            return  # a frame still in flight from the dialog this connection left
-        if frame.get("turn_id") in self.ended:
-            return
-        out = await self.conn.relay_snapshot(frame)
-        if out is not None:
-            await self._send(out)
-
-    def _sessions_changed(self) -> None:
-        """A dialog of the chat was created, deleted or restored. A burst of these yields one
-        refresh, which comes back through this connection's own channel, so it runs in order
-        with everything else this connection handles (no locks)."""
-        if self.sessions_pending:
-            return
-        self.sessions_pending = True
-        self.sessions_task = asyncio.get_running_loop().create_task(self._schedule_refresh())
-
-    async def _schedule_refresh(self) -> None:
-        await asyncio.sleep(SESSIONS_COALESCE_SECONDS)
-        self.sessions_pending = False
-        await self.channel_layer.send(self.channel_name, {"type": REFRESH_SESSIONS})
-
-    async def sessions_refresh(self, message: dict[str, Any]) -> None:
-        if self.user is not None:
-            await self._refresh_sessions()
-
-    async def _refresh_sessions(self) -> None:
-        """One fresh `sessions` frame, none when nothing this client sees changed."""
-        assert self.user is not None and self.current is not None
-        user, current = self.user, self.current
-
-        def read() -> tuple[dict[str, Any], bool, Session | None]:
-            frame = sessions_frame(
-                owner_id=user.pk,
-                channel=CHANNEL,
-                chat_id=self.chat_id,
-                current=current,
-                linked=True,
-            )
-            # By primary key: a re-created dialog may carry the deleted one's id.
-            if selectors.live_sessions_for_owner(owner_id=user.pk).filter(pk=current.pk).exists():
-                return frame, False, None
-            # Deleted elsewhere (another tab, the API, an operator): move to the most recent
-            # live dialog, as `/delete` does; never create one from here.
-            remaining = selectors.dialog_list_for_chat(
-                owner_id=user.pk, channel=CHANNEL, chat_id=self.chat_id, limit=1
-            )
-            return frame, True, remaining[0] if remaining else None
-
-        frame, gone, replacement = await database_sync_to_async(read)()
-        if replacement is not None:
-            await self._move(replacement)
-            return
-        self.current_gone = gone
-        await self._join_linked(frame)
-        if _membership(frame) == self.sessions_shown:
-            return  # e.g. the echo of this connection's own /new or /delete
-        self.sessions_shown = _membership(frame)
-        await self._send(frame)

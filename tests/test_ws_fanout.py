@@ -70,10 +70,10 @@ async def test_sessions_changed_elsewhere_refreshes_sessions_once(
     connect: Any, user: Any, monkeypatch: Any
 ) -> None:
     # covers: E1 (live dialog list)
-    from sessions_app import consumers
+    from sessions_app import ws_events
 
     # A wide coalescing window, so the burst below is one burst on any machine.
-    monkeypatch.setattr(consumers, "SESSIONS_COALESCE_SECONDS", 0.4)
+    monkeypatch.setattr(ws_events, "SESSIONS_COALESCE_SECONDS", 0.4)
     await make_dialog(user, "main")
     tab1, tab2 = await connect(user), await connect(user)
     await tab2.ask({"type": "send", "content": "/new", "client_msg_id": "n"})

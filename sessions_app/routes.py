@@ -1,10 +1,10 @@
-"""The routes of the REST API at `/api/v1/` (SPEC E3, PROTOCOL "REST API"): one router.
+"""The routes of the REST API at `/api/v1/` (SPEC E3, PROTOCOL "REST API"): the app's one
+router, added to the one NinjaAPI in `api.py`.
 
 Routes are thin (STYLE 1, 8): parse and authorise, call one engine/service/selector function,
 serialise the answer. Dialogs are always looked up through the owner-scoped selectors, so
-another user's dialog or turn is simply not found (404, never 403; F2). Domain errors
-(`ChatError`) become `{"code", "message"}` with their HTTP status in one handler; so do
-ninja's validation, authentication and 404 errors, and whatever else fails.
+another user's dialog or turn is simply not found (404, never 403; F2). Errors are raised,
+never answered here: `api.py` maps them to HTTP in one place.
 
 Status codes: 201 created; 202 accepted (a send, retry, continue or compaction runs on); 204
 deleted;
@@ -15,11 +15,9 @@ unknown or another user's dialog/turn, or a first-party chat id that is not the 
 is nothing to retry or continue; 413 content or body too large; 422 invalid input; 429 rate
 limited (with Retry-After); 503 overloaded, shutting down or storage failing.
 
-With `Accept: text/event-stream`, POST .../messages (and .../retry, .../continue) answers 200 with a
-Server-Sent Events stream of the WebSocket's frames (`event:` = frame type, `id:` = an
-increasing integer, `data:` = the frame as JSON): `queued`, then that dialog's
-`history_delta`s, that turn's `turn_snapshot`s and its `turn_updated`, where the stream ends.
-The turn belongs to the engine, not to the stream: a client that hangs up stops nothing (C3).
+With `Accept: text/event-stream`, POST .../messages (and .../retry, .../continue) answers 200
+with a Server-Sent Events stream of the turn (`sse.py`). The turn belongs to the engine, not
+to the stream: a client that hangs up stops nothing (C3).
 """
 
 from __future__ import annotations

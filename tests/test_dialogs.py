@@ -16,7 +16,7 @@ from sessions_app.models import Session, Turn
 from tests.api_helpers import engine_with, wait_turn_row
 from tests.fakemodel import FakeModelServer, Reply
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
 CHANGELIST = reverse("admin:sessions_app_session_changelist")
 # The running turn reads its row's cancel flag only at a checkpoint: with checkpoints this

@@ -285,3 +285,17 @@ async def test_errors_answer_the_original_message(bot_with: Any, fake_model) -> 
     assert outcome == "send"
     await bot.idle()
     assert len(await turns()) == 2
+
+
+async def test_commands_are_refused_during_shutdown_like_sends(bot: Bot) -> None:
+    # covers: B3, F1 (a closing engine writes nothing new, whichever command arrives)
+    await bot.say("/new Before")
+    dialogs = await sync_to_async(Session.objects.count)()
+    bot.engine.supervisor.close()
+    for text in ("/new Late", "/rename Late", "hello"):
+        update, outcome = await bot.say(text)
+        assert outcome == "error", text
+        (reply,) = bot.answers_to(update)
+        assert "shutting down" in reply.text
+    assert await sync_to_async(Session.objects.count)() == dialogs
+    assert not await sync_to_async(Session.objects.filter(title="Late").exists)()

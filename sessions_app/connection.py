@@ -7,7 +7,8 @@ A `ChannelConnection` is one client of one chat, reached on the channel layer at
 groups, relays snapshot tails with a `SnapshotRelay` so each applies contiguously (D1, D3),
 and turns what the client typed into engine calls: a leading `/` runs the slash command,
 anything else becomes ONE `Inbound` carrying the sender, the time it was received and, as
-reply-to, the client's message id (D5). Stop, retry, continue and delete go through it too.
+reply-to, the client's message id (D5). Stop, retry and continue go through it too; a delete
+is the `/delete` command, which calls the one `delete_dialog` (A7, C9).
 
 It owns no turn (STYLE 5): it only forwards to the engine and relays what the engine
 publishes. The channel around it parses and serialises.
@@ -24,7 +25,6 @@ from django.utils import timezone
 
 from chatcore.engine import commands, publish
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
-from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack, Engine, Inbound
 from chatcore.engine.errors import ChatError, ShuttingDown
 from chatcore.engine.sessions import resolve_dialog
@@ -203,11 +203,6 @@ class ChannelConnection:
         return await self.engine.continue_answer(
             target, owner=self.user, client_msg_id=client_msg_id
         )
-
-    async def delete(self, target: Session) -> None:
-        """A7, C9: the one delete (`delete_dialog`)."""
-        await self._check_writable(target)
-        await delete_dialog(engine=self.engine, session=target, by=self.user)
 
     async def _check_writable(self, target: Session) -> None:
         await database_sync_to_async(selectors.dialog_check_writable)(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.utils.translation import gettext as _
+
 from chatcore.engine.errors import ChatError
 
 
@@ -27,4 +29,13 @@ def command_result_frame(
         "command": command,
         "ok": ok,
         "content": content,
+    }
+
+
+def login_ended_frame() -> dict[str, Any]:
+    """F8: the last frame of a Server-Sent Events stream whose login ended."""
+    return {
+        "type": "error",
+        "code": "unauthorized",
+        "message": _("Your login ended: sign in again."),
     }

@@ -26,7 +26,6 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
-from django.utils.translation import gettext as _
 
 from chatcore.engine import clientstate, publish
 from chatcore.engine.engine import Ack, Engine
@@ -34,6 +33,7 @@ from chatcore.engine.errors import NotFound
 
 from . import logins, selectors
 from .connection import ChannelConnection
+from .frames_out import login_ended_frame
 from .models import Session
 
 logger = logging.getLogger(__name__)
@@ -221,11 +221,7 @@ async def _turn_frames(
             continue
         if message.get("type") == logins.LOGIN_ENDED:
             # F8: the login ended; the turn runs on (C3), this stream does not.
-            yield {
-                "type": "error",
-                "code": "unauthorized",
-                "message": _("Your login ended: sign in again."),
-            }
+            yield login_ended_frame()
             return
         frame = message.get("frame")
         if not isinstance(frame, dict) or frame.get("session_id") != session_id:

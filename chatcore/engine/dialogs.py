@@ -15,7 +15,7 @@ from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
 from sessions_app import selectors, services
-from sessions_app.models import Session, Turn
+from sessions_app.models import Session
 
 from . import publish
 
@@ -34,22 +34,23 @@ async def delete_dialog(*, engine: Engine | None, session: Session, by: User | N
     through the engines' control group. `by` is who deleted it (None: the system)."""
     if engine is not None:
         await engine.cancel_for_delete(session)
+        await sync_to_async(services.session_soft_delete)(session=session)
     else:
-        await _cancel_anywhere(session)
-    await sync_to_async(services.session_soft_delete)(session=session)
+        running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
+        # The soft delete flags the running turn in its own transaction (C9) ...
+        await sync_to_async(services.session_soft_delete)(session=session)
+        if running is not None:
+            # ... and this wakes it wherever it runs, rather than at its next checkpoint.
+            await _signal_cancel(str(running.pk))
     logger.info(
         "dialog deleted",
         extra={"session_id": session.session_id, "by": by.pk if by is not None else None},
     )
 
 
-async def _cancel_anywhere(session: Session) -> None:
-    running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
-    if running is None:
-        return
-    await sync_to_async(Turn.objects.filter(pk=running.pk).update)(cancel_requested=True)
+async def _signal_cancel(turn_id: str) -> None:
     layer = get_channel_layer()
     if layer is not None:
         await layer.group_send(
-            publish.engine_control_group(), {"type": "engine.cancel", "turn_id": str(running.pk)}
+            publish.engine_control_group(), {"type": "engine.cancel", "turn_id": turn_id}
         )

@@ -62,3 +62,21 @@ def parse_client_frame(text_data: str | None, bytes_data: bytes | None) -> dict[
     if not isinstance(data, dict):
         raise BadRequest(_("A frame must be a JSON object with a type."))
     return data
+
+
+def optional_int(data: dict[str, Any], name: str, *, low: int, high: int | None) -> int | None:
+    """An optional integer field of a frame within bounds, else `bad_request`."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bounds = f"{low}..{high}" if high is not None else f">= {low}"
+        raise BadRequest(
+            _("%(name)s must be an integer (%(bounds)s).") % {"name": name, "bounds": bounds}
+        )
+    return value

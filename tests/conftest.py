@@ -213,3 +213,49 @@ async def engine(make_engine: Callable[..., Any]) -> AsyncIterator[Any]:
         yield started
     finally:
         runtime.set_engine(None)
+
+
+# --- WebSocket clients ---------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def connect(engine: Any) -> AsyncIterator[Callable[..., Any]]:
+    """Open authenticated connections (bearer token) that read their connect frames."""
+    from tests.ws_helpers import WS, bearer, open_ws
+
+    opened: list[WS] = []
+
+    async def factory(user: Any, path: str = "/ws/chat/") -> WS:
+        ws, connected = await open_ws(await bearer(user), path)
+        assert connected
+        opened.append(ws)
+        sessions = await ws.next()
+        assert sessions["type"] == "sessions"
+        hist = await ws.next()
+        assert hist["type"] == "session_history"
+        ws.sessions, ws.history = sessions, hist
+        return ws
+
+    yield factory
+    for ws in opened:
+        await ws.close()
+
+
+# --- REST API clients ----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def api(engine: Any, user: Any) -> Any:
+    """A bearer-token client of the REST API for `user`, with fresh rate-limit counters."""
+    from asgiref.sync import sync_to_async
+    from django.core.cache import cache
+
+    from tests.api_helpers import bearer_api
+
+    await sync_to_async(cache.clear)()  # rate-limit counters of earlier tests
+    return await bearer_api(user)
+
+
+# --- Telegram: a fake Bot API server and bots on the real webhook route ---------------------
+
+from tests.telegram_helpers import bot, bot_with, fake_telegram  # noqa: E402, F401

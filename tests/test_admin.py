@@ -189,7 +189,7 @@ def test_change_page_shows_messages_in_seq_order(client: Client, operator: Any, 
 def test_change_page_pages_through_long_histories(
     client: Client, operator: Any, user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sessions_app import admin as session_admin
+    from sessions_app.admin import dialogs as session_admin
 
     monkeypatch.setattr(session_admin, "MESSAGE_PAGE_SIZE", 2)
     s = dialog(user, "long")

@@ -17,8 +17,9 @@ from django.core.cache import cache
 from django.test import AsyncClient
 
 from sessions_app.models import Compaction, Message, Session, StagedInput, Turn
+from tests.api_helpers import Api, bearer_api
 from tests.fakemodel import Reply
-from tests.test_api import Api, bearer_api, csrf_pair
+from tests.test_api import csrf_pair
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 

@@ -17,18 +17,15 @@ from django.test import AsyncClient
 
 from sessions_app.chatapps import store
 from sessions_app.models import ChannelAccount, Session, Turn
-from tests import test_chatapps_telegram as telegram_tests
+from tests.api_helpers import Api, issue_token
 from tests.fakemodel import Reply
-from tests.test_api import Api, issue_token
-from tests.test_chatapps_telegram import Bot, turns
-from tests.test_ws_consumer import WS, bearer, open_ws
+from tests.telegram_helpers import Bot, turns
+from tests.ws_helpers import WS, bearer, open_ws
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
-# The Telegram bot fixtures: the fake Bot API server, the engine and the webhook client.
-fake_telegram = telegram_tests.fake_telegram
-bot_with = telegram_tests.bot_with
-bot = telegram_tests.bot
+# The Telegram bot fixtures (the fake Bot API server, the engine and the webhook client) are
+# shared from conftest.py.
 
 
 async def linked(bot: Bot, user: Any, *, writable: bool) -> Session:

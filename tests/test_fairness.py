@@ -29,10 +29,10 @@ from chatcore.engine.tokens import TokenCache, TokenCounter, counter_for_model, 
 from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
 from sessions_app import services
 from sessions_app.models import Compaction, Message, MessageKind, Session, Turn, TurnStatus
+from tests.api_helpers import bearer_api, engine_with, error_of
 from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.fakemodel import Reply, strip_runtime
-from tests.test_api import bearer_api, engine_with, error_of
-from tests.test_ws_consumer import WS, bearer, open_ws
+from tests.ws_helpers import WS, bearer, open_ws
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 

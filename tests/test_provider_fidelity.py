@@ -579,7 +579,7 @@ async def test_max_tokens_setting_caps_it_under_the_configured_field(
 
 async def test_rest_continue_is_202_after_a_cut_and_409_otherwise(engine, fake_model, user):
     # covers: E5, E3
-    from tests.test_api import bearer_api, error_of
+    from tests.api_helpers import bearer_api, error_of
 
     await sync_to_async(cache.clear)()
     api = await bearer_api(user)
@@ -613,7 +613,7 @@ async def test_rest_continue_is_202_after_a_cut_and_409_otherwise(engine, fake_m
 
 async def test_ws_continue_frame(engine, fake_model, user):
     # covers: E5
-    from tests.test_ws_consumer import WS, bearer, open_ws
+    from tests.ws_helpers import WS, bearer, open_ws
 
     await make_dialog(user)
     ws, connected = await open_ws(await bearer(user))
@@ -647,7 +647,7 @@ async def test_rest_continue_streams_like_a_send(engine, fake_model, user):
     # covers: E5, E3, D1
     import asyncio
 
-    from tests.test_api import BASE, bearer_api, read_stream
+    from tests.api_helpers import BASE, bearer_api, read_stream
 
     await sync_to_async(cache.clear)()
     api = await bearer_api(user)

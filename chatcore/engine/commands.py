@@ -21,6 +21,7 @@ from sessions_app import selectors, services
 from sessions_app.models import Session
 
 from . import limits
+from .dialogs import delete_dialog
 from .errors import BadRequest, UnknownCommand
 from .ids import validate_part
 from .sessions import dialog_after_delete
@@ -196,9 +197,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
 @command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"), writes=True)
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
-    if ctx.engine is not None:
-        await ctx.engine.cancel_for_delete(session)
-    await sync_to_async(services.session_soft_delete)(session=session)
+    await delete_dialog(engine=ctx.engine, session=session, by=ctx.owner)
     current = await sync_to_async(dialog_after_delete)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id
     )

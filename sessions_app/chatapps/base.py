@@ -35,6 +35,7 @@ from chatcore.engine.delivery import DeliveryError, Terminal, fallback_text
 from chatcore.engine.engine import Engine, Inbound
 from chatcore.engine.errors import ChatError, InternalError, StorageError
 
+from ..connection import run_command
 from . import store
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,8 @@ async def _handle(
                 current=ctx.current,
                 engine=engine,
             )
-            result = await commands.run_command(cmd, text)
+            # B3: refused during shutdown like a send (the same path as the web chat's).
+            result = await run_command(engine, cmd, text)
             if result.current is not None:
                 await sync_to_async(store.chat_set_current)(
                     chat=ctx.chat, dialog_id=result.current.dialog_id

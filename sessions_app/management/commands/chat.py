@@ -1,11 +1,13 @@
 """The terminal channel (E4): `python manage.py chat`. One line of stdin is one send; slash
 commands work; replies stream to stdout. At end of input it waits for the last turn, then
-exits. It runs its own engine, which shares the database (and its leases) with any server."""
+exits. It runs its own engine, which shares the database (and its leases) with any server.
+It is a `ChannelConnection` like the web chat's socket: the same commands, sends and relay."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import uuid
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -14,18 +16,19 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
-from chatcore.engine import commands, publish, runtime
-from chatcore.engine.engine import Engine, Inbound
+from chatcore.engine import commands, runtime
+from chatcore.engine.engine import Engine
 from chatcore.engine.errors import ChatError
 from chatcore.engine.ids import owner_chat_id, validate_part
-from chatcore.engine.sessions import resolve_dialog
+from sessions_app.connection import ChannelConnection
 from sessions_app.models import Session
 
 CHANNEL = "cli"
 
 
 class Terminal:
-    """Reads lines, forwards them to the engine, prints what the chat's clients would see."""
+    """Reads lines, forwards them through a `ChannelConnection`, prints what the chat's
+    clients would see."""
 
     def __init__(
         self, *, user: Any, chat_id: str, dialog_id: str | None, out: Any, err: Any
@@ -35,14 +38,11 @@ class Terminal:
         self.dialog_id = dialog_id
         self.out = out
         self.err = err
-        self.current: Session | None = None
+        self.conn: ChannelConnection | None = None
         self.pending: set[str] = set()
         self.printed: dict[str, str] = {}
         self.all_done = asyncio.Event()
         self.all_done.set()
-        self.layer = get_channel_layer()
-        self.channel = ""
-        self.session_group = ""
 
     def write(self, text: str) -> None:
         self.out.write(text)
@@ -52,21 +52,21 @@ class Terminal:
         engine = Engine(scope=self._scope)
         await engine.start()
         runtime.set_engine(engine)
+        layer = get_channel_layer()
         try:
-            self.current = await sync_to_async(resolve_dialog)(
-                owner=self.user,
+            conn = self.conn = ChannelConnection(
+                engine=engine,
+                user=self.user,
                 channel=CHANNEL,
                 chat_id=self.chat_id,
-                dialog_id=self.dialog_id,
-                create=True,
+                layer=layer,
+                reply_channel=await layer.new_channel("cli."),
             )
-            self.channel = await self.layer.new_channel("cli.")
-            await self.layer.group_add(publish.chat_group(CHANNEL, self.chat_id), self.channel)
-            await self._follow(self.current)
-            listener = engine.supervisor.spawn("cli-listen", self._listen(), daemon=True)
-            self.err.write(
-                f"[dialog {self.current.dialog_id}: {self.current.title}] /help lists commands\n"
-            )
+            current = await sync_to_async(conn.resolve)(self.dialog_id, create=True)
+            await conn.join_chat()
+            await conn.follow(current)
+            listener = engine.supervisor.spawn("cli-listen", self._listen(conn), daemon=True)
+            self.err.write(f"[dialog {current.dialog_id}: {current.title}] /help lists commands\n")
             loop = asyncio.get_running_loop()
             while True:
                 line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -75,7 +75,7 @@ class Terminal:
                 text = line.rstrip("\r\n")
                 if not text.strip():
                     continue
-                await self._handle(engine, text)
+                await self._handle(conn, text)
             await self.all_done.wait()
             listener.cancel()
         finally:
@@ -86,62 +86,33 @@ class Terminal:
         # The terminal resumes only its own chat's interrupted work (C11).
         return qs.filter(channel=CHANNEL, chat_id=self.chat_id)
 
-    async def _follow(self, session: Session) -> None:
-        if self.session_group:
-            await self.layer.group_discard(self.session_group, self.channel)
-        self.session_group = publish.session_group(session.pk)
-        await self.layer.group_add(self.session_group, self.channel)
-
-    async def _handle(self, engine: Engine, text: str) -> None:
-        assert self.current is not None
-        if commands.is_command(text):
-            ctx = commands.CommandContext(
-                owner=self.user,
-                channel=CHANNEL,
-                chat_id=self.chat_id,
-                current=self.current,
-                engine=engine,
-            )
-            try:
-                result = await commands.run_command(ctx, text)
-            except ChatError as exc:
-                self.write(f"! {exc.message}\n")
-                return
-            if result.current is not None:
-                self.current = result.current
-                await self._follow(result.current)
-            self.write(result.content + "\n")
-            return
-        inbound = Inbound(
-            owner=self.user,
-            channel=CHANNEL,
-            chat_id=self.chat_id,
-            content=text,
-            sender_id=str(self.user.pk),
-        )
+    async def _handle(self, conn: ChannelConnection, text: str) -> None:
+        assert conn.current is not None
         try:
-            ack = await engine.submit(inbound, self.current)
+            # D5: each line is a client message with its own id (also what it replies to).
+            answer = await conn.send_or_command(text, conn.current, client_msg_id=_line_id())
         except ChatError as exc:
             self.write(f"! {exc.message}\n")
             return
-        if ack.turn_id:
-            self.pending.add(ack.turn_id)
+        if isinstance(answer, commands.CommandResult):
+            if answer.current is not None:
+                await conn.follow(answer.current)
+            self.write(answer.content + "\n")
+        elif answer.turn_id:
+            self.pending.add(answer.turn_id)
             self.all_done.clear()
 
-    async def _listen(self) -> None:
+    async def _listen(self, conn: ChannelConnection) -> None:
         while True:
-            message = await self.layer.receive(self.channel)
+            message = await conn.layer.receive(conn.reply_channel)
             frame = message.get("frame") or {}
             kind = frame.get("type")
             turn_id = frame.get("turn_id")
             if kind == "turn_snapshot" and turn_id in self.pending:
-                known = self.printed.get(turn_id, "")
-                offset = frame["text_offset"]
-                if offset <= len(known):
-                    new = (known[:offset] + frame["text"])[len(known) :]
-                    if new:
-                        self.write(new)
-                        self.printed[turn_id] = known + new
+                # D1, D3: the same relay as the web chat's; a gap asks for a full snapshot.
+                tail = await conn.relay_snapshot(frame)
+                if tail is not None:
+                    self._print_tail(turn_id, tail)
             elif kind == "history_delta" and turn_id in self.pending:
                 answers = [
                     m
@@ -158,23 +129,43 @@ class Terminal:
                         self.write(final)
                     self.printed[turn_id] = final
             elif kind == "turn_updated" and turn_id in self.pending:
-                status = frame["status"]
-                if self.printed.get(turn_id):
-                    self.write("\n")
-                if status == "failed":
-                    self.write(f"! {frame.get('error', {}).get('message', 'failed')}\n")
-                elif status == "cancelled":
-                    self.write(f"[{frame.get('reason', 'cancelled')}]\n")
-                elif frame.get("notice"):
-                    # E5: an answer cut at the length limit or withheld by the filter.
-                    self.write(f"[{frame['notice']['message']}]\n")
-                self.write("\n")
-                self.pending.discard(turn_id)
-                self.printed.pop(turn_id, None)
-                if not self.pending:
-                    self.all_done.set()
+                conn.relay.forget(turn_id)
+                self._print_end(turn_id, frame)
             elif kind == "system_notification":
                 self.err.write(f"[{frame.get('level')}] {frame.get('content')}\n")
+
+    def _print_tail(self, turn_id: str, tail: dict[str, Any]) -> None:
+        """Printed text cannot be taken back: a full snapshot (offset 0) only adds what goes
+        past what is already on the screen."""
+        known = self.printed.get(turn_id, "")
+        offset = tail["text_offset"]
+        if offset > len(known):
+            return
+        new = (known[:offset] + tail["text"])[len(known) :]
+        if new:
+            self.write(new)
+            self.printed[turn_id] = known + new
+
+    def _print_end(self, turn_id: str, frame: dict[str, Any]) -> None:
+        status = frame["status"]
+        if self.printed.get(turn_id):
+            self.write("\n")
+        if status == "failed":
+            self.write(f"! {frame.get('error', {}).get('message', 'failed')}\n")
+        elif status == "cancelled":
+            self.write(f"[{frame.get('reason', 'cancelled')}]\n")
+        elif frame.get("notice"):
+            # E5: an answer cut at the length limit or withheld by the filter.
+            self.write(f"[{frame['notice']['message']}]\n")
+        self.write("\n")
+        self.pending.discard(turn_id)
+        self.printed.pop(turn_id, None)
+        if not self.pending:
+            self.all_done.set()
+
+
+def _line_id() -> str:
+    return f"cli-{uuid.uuid4().hex[:16]}"
 
 
 class Command(BaseCommand):

@@ -1,20 +1,21 @@
-"""The operators' admin (SPEC E2): browse, search and filter dialogs, read their messages in
-order, rename, soft delete, restore and purge them; look at turns, memory notes and API tokens,
-issue and revoke tokens (F2).
+"""The dialogs' admin (SPEC E2, A7): browse, search and filter dialogs, read their messages in
+order, rename, soft delete, restore and purge them.
 
-Every write goes through `services`, never through a ModelAdmin's default `save()`/`delete()`,
-so that renames, deletes and restores bump the state version and reach connected clients just
-as they do from the web chat.
+Every write goes through `services` (or `delete_dialog`), never through a ModelAdmin's default
+`save()`/`delete()`, so that renames, deletes and restores bump the state version and reach
+connected clients just as they do from the web chat; a soft delete ends the running turn as
+any other delete does (C9).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+from asgiref.sync import async_to_sync
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.auth import get_user_model
+from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
@@ -26,19 +27,16 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.errors import ChatError
 
-from . import services
-from .models import ApiToken, MemoryNote, Message, Session, TitleSource, Turn
+from .. import services
+from ..models import Message, Session, TitleSource, Turn
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
 MESSAGE_PAGE_PARAM = "messages_page"
 INLINE_CONTENT_CHARS = 1000
-LIST_CONTENT_CHARS = 80
-
-
-# --- Dialogs ------------------------------------------------------------------------------
 
 
 class DeletedFilter(admin.SimpleListFilter):
@@ -289,7 +287,10 @@ class SessionAdmin(admin.ModelAdmin):
         done = 0
         for session in queryset.filter(deleted_at__isnull=True):
             try:
-                services.session_soft_delete(session=session)
+                # C9: the one delete; it ends a running turn, wherever it runs, as stale.
+                async_to_sync(delete_dialog)(
+                    engine=None, session=session, by=cast(User, request.user)
+                )
             except ChatError as exc:
                 self._report_failure(request, session, exc)
                 continue
@@ -396,145 +397,3 @@ class SessionAdmin(admin.ModelAdmin):
 
     def _report_failure(self, request: HttpRequest, session: Session, exc: ChatError) -> None:
         self.message_user(request, f"{session.session_id}: {exc.message}", level=messages.ERROR)
-
-
-# --- Messages and turns (read-only) -------------------------------------------------------
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """History and turns are written by the engine only (C2, A3)."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-@admin.register(Message)
-class MessageAdmin(ReadOnlyAdmin):
-    list_display = ("session", "seq", "role", "short_content", "created_at")
-    list_select_related = ("session",)
-    list_filter = ("role",)
-    search_fields = ("content",)
-    # Matches the (session, seq) index and reads a dialog in order when filtered to it.
-    ordering = ("session_id", "seq")
-    # Counting every message on each page load is the slowest part of this list.
-    show_full_result_count = False
-
-    @admin.display(description=_("content"))
-    def short_content(self, obj: Message) -> str:
-        return Truncator(obj.content).chars(LIST_CONTENT_CHARS)
-
-
-@admin.register(Turn)
-class TurnAdmin(ReadOnlyAdmin):
-    list_display = (
-        "session",
-        "status",
-        "reason",
-        "error_kind",
-        "mode",
-        "started_at",
-        "finished_at",
-    )
-    list_select_related = ("session",)
-    list_filter = ("status", "mode")
-    show_full_result_count = False
-
-
-# --- Memory notes and API tokens ----------------------------------------------------------
-
-
-@admin.register(MemoryNote)
-class MemoryNoteAdmin(admin.ModelAdmin):
-    list_display = ("owner", "short_content", "created_at")
-    list_select_related = ("owner",)
-    search_fields = ("content", "owner__username")
-    fields = ("owner", "content")
-    raw_id_fields = ("owner",)
-
-    @admin.display(description=_("content"))
-    def short_content(self, obj: MemoryNote) -> str:
-        return Truncator(obj.content).chars(LIST_CONTENT_CHARS)
-
-
-@admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
-    """F2: tokens are issued here or by a management command; only a hash is stored, so the
-    key is shown once, right after it is issued."""
-
-    list_display = ("user", "name", "prefix", "created_at", "last_used_at", "is_revoked")
-    list_select_related = ("user",)
-    list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
-    search_fields = ("name", "prefix", "user__username")
-    raw_id_fields = ("user",)
-    actions = ("revoke_selected",)
-    # key_hash is in neither list: it is never displayed.
-    add_fields = ("user", "name")
-    change_fields = ("user", "name", "prefix", "created_at", "last_used_at", "revoked_at")
-
-    @admin.display(description=_("revoked"), boolean=True, ordering="revoked_at")
-    def is_revoked(self, obj: ApiToken) -> bool:
-        return obj.revoked_at is not None
-
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        return self.change_fields if obj is not None else self.add_fields
-
-    # F8: a token acts as its user, so only superusers issue (and see, and revoke) tokens of
-    # other users; other staff manage their own.
-    def get_queryset(self, request: HttpRequest) -> QuerySet[ApiToken]:
-        queryset = super().get_queryset(request)
-        if request.user.is_superuser:
-            return queryset
-        return queryset.filter(user_id=request.user.pk)
-
-    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest, **kwargs: Any) -> Any:
-        if db_field.name == "user" and not request.user.is_superuser:
-            kwargs["queryset"] = get_user_model().objects.filter(pk=request.user.pk or 0)
-            kwargs["initial"] = request.user.pk
-        return super().formfield_for_foreignkey(db_field, request, **kwargs)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
-        # An issued token is immutable; revoking is an action.
-        return self.change_fields if obj is not None else ()
-
-    def save_model(self, request: HttpRequest, obj: ApiToken, form: Any, change: bool) -> None:
-        if change:
-            # Nothing is editable, and a save() would write back a stale revoked_at.
-            return
-        token, raw = services.api_token_issue(
-            user=form.cleaned_data["user"], name=form.cleaned_data.get("name") or ""
-        )
-        # The admin logs and redirects to `obj`, so it becomes the issued row.
-        for field in ApiToken._meta.concrete_fields:
-            setattr(obj, field.attname, getattr(token, field.attname))
-        obj._state.adding = False
-        obj._state.db = token._state.db
-        self.message_user(
-            request,
-            gettext(
-                "New API token for %(user)s: %(key)s — copy it now, it will not be shown again."
-            )
-            % {"user": token.user, "key": raw},
-            level=messages.WARNING,
-        )
-
-    @admin.action(permissions=["change"], description=_("Revoke selected tokens"))
-    def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
-        done = 0
-        for token in queryset.filter(revoked_at__isnull=True):
-            services.api_token_revoke(token=token)
-            done += 1
-        self.message_user(
-            request,
-            ngettext("Revoked %(n)d token.", "Revoked %(n)d tokens.", done) % {"n": done},
-            level=messages.SUCCESS,
-        )
-
-
-# Chat-app accounts and chats register their admins in their own module.
-from .chatapps import admin as _chatapps_admin  # noqa: E402, F401

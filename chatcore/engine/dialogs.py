@@ -1,0 +1,56 @@
+"""Deleting a dialog (SPEC A7, C9): the one path for every caller.
+
+The REST `DELETE /sessions/{id}`, the `/delete` command and the operators' admin all call
+`delete_dialog`, so a delete always ends the running turn as stale, drops the queued sends,
+hides the dialog at once and tells the chat's clients, whichever door it came through.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.contrib.auth.models import User
+
+from sessions_app import selectors, services
+from sessions_app.models import Session
+
+from . import publish
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+async def delete_dialog(*, engine: Engine | None, session: Session, by: User | None) -> None:
+    """Cancel the running turn (it finds itself stale and commits nothing, C9), drop the
+    queued turns (cancelled, `stale`), soft-delete the dialog (A7) and publish all of it.
+
+    `engine` is this process's engine when the caller runs in its loop (a channel); without
+    one (an operator's admin request), the cancel reaches whichever engine runs the turn
+    through the engines' control group. `by` is who deleted it (None: the system)."""
+    if engine is not None:
+        await engine.cancel_for_delete(session)
+        await sync_to_async(services.session_soft_delete)(session=session)
+    else:
+        running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
+        # The soft delete flags the running turn in its own transaction (C9) ...
+        await sync_to_async(services.session_soft_delete)(session=session)
+        if running is not None:
+            # ... and this wakes it wherever it runs, rather than at its next checkpoint.
+            await _signal_cancel(str(running.pk))
+    logger.info(
+        "dialog deleted",
+        extra={"session_id": session.session_id, "by": by.pk if by is not None else None},
+    )
+
+
+async def _signal_cancel(turn_id: str) -> None:
+    layer = get_channel_layer()
+    if layer is not None:
+        await layer.group_send(
+            publish.engine_control_group(), {"type": "engine.cancel", "turn_id": turn_id}
+        )

@@ -1,0 +1,210 @@
+"""What every first-party live channel shares (SPEC B1, B3, C6, D1, D3, D5): the WebSocket
+consumer (`consumers.py`), the Server-Sent Events stream (`sse.py`) and the terminal
+(`management/commands/chat.py`).
+
+A `ChannelConnection` is one client of one chat, reached on the channel layer at
+`reply_channel`. It resolves the dialog (B1), joins the chat's and the current dialog's
+groups, relays snapshot tails with a `SnapshotRelay` so each applies contiguously (D1, D3),
+and turns what the client typed into engine calls: a leading `/` runs the slash command,
+anything else becomes ONE `Inbound` carrying the sender, the time it was received and, as
+reply-to, the client's message id (D5). Stop, retry and continue go through it too; a delete
+is the `/delete` command, which calls the one `delete_dialog` (A7, C9).
+
+It owns no turn (STYLE 5): it only forwards to the engine and relays what the engine
+publishes. The channel around it parses and serialises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from channels.db import database_sync_to_async
+from channels.layers import BaseChannelLayer
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from chatcore.engine import commands, publish
+from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
+from chatcore.engine.engine import Ack, Engine, Inbound
+from chatcore.engine.errors import ChatError, ShuttingDown
+from chatcore.engine.sessions import resolve_dialog
+
+from . import selectors
+from .models import Session
+
+
+def build_inbound(
+    *,
+    user: User,
+    channel: str,
+    chat_id: str,
+    content: str,
+    mode: str = "send",
+    client_msg_id: str = "",
+) -> Inbound:
+    """D5: how a first-party channel's message enters the engine, built once: the sender's
+    id, the time it was received, and the client's message id as both the idempotency key
+    and what the message replies to."""
+    return Inbound(
+        owner=user,
+        channel=channel,
+        chat_id=chat_id,
+        content=content,
+        sender_id=str(user.pk),
+        mode=mode,
+        client_msg_id=client_msg_id,
+        reply_to=client_msg_id or None,
+        received_at=timezone.now(),
+    )
+
+
+async def run_command(
+    engine: Engine | None, ctx: commands.CommandContext, text: str
+) -> commands.CommandResult:
+    """B3: a slash command, refused during shutdown exactly as a send is (`shutting_down`):
+    a closing engine writes nothing new. `/stop` only ever reduces work and still runs."""
+    if engine is not None and engine.closing and commands.parse(text)[0] != "stop":
+        raise ShuttingDown()
+    return await commands.run_command(ctx, text)
+
+
+class ChannelConnection:
+    """One client of one chat on the channel layer (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        user: User,
+        channel: str,
+        chat_id: str,
+        layer: BaseChannelLayer,
+        reply_channel: str,
+    ) -> None:
+        self.engine = engine
+        self.user = user
+        self.channel = channel
+        self.chat_id = chat_id
+        self.layer = layer
+        self.reply_channel = reply_channel
+        self.chat_group = publish.chat_group(channel, chat_id)
+        self.session_group = ""
+        self.current: Session | None = None
+        self.relay = SnapshotRelay()
+
+    # --- dialogs and groups ----------------------------------------------------------------
+
+    def resolve(self, dialog_id: str | None = None, *, create: bool = False) -> Session:
+        """B1: the named dialog (created when missing with `create`), else the most recently
+        active one of the chat within the TTL, else a new one. Synchronous (ORM)."""
+        return resolve_dialog(
+            owner=self.user,
+            channel=self.channel,
+            chat_id=self.chat_id,
+            dialog_id=dialog_id,
+            create=create,
+        )
+
+    def resolve_or_latest(self, requested: str | None) -> Session:
+        """B1, with a requested dialog picked when it exists (else as without one)."""
+        if requested:
+            try:
+                return self.resolve(requested)
+            except ChatError:
+                pass
+        return self.resolve()
+
+    async def join_chat(self) -> None:
+        """D3: join the chat's fan-out before reading any state, so nothing falls between."""
+        await self.layer.group_add(self.chat_group, self.reply_channel)
+
+    async def follow(self, session: Session) -> None:
+        """Make `session` the current dialog: its snapshots reach this connection (and no
+        other dialog's). What the client has of its running turn is re-seeded by `seed`."""
+        group = publish.session_group(session.pk)
+        if group != self.session_group:
+            await self.layer.group_add(group, self.reply_channel)
+            if self.session_group:
+                await self.layer.group_discard(self.session_group, self.reply_channel)
+            self.session_group = group
+        self.current = session
+        self.relay.reset()
+
+    async def leave(self) -> None:
+        for group in (self.chat_group, self.session_group):
+            if group:
+                await self.layer.group_discard(group, self.reply_channel)
+
+    # --- relaying --------------------------------------------------------------------------
+
+    def seed(self, active_turn: dict[str, Any] | None) -> None:
+        """The client now holds `active_turn` (its full text): tails continue from there."""
+        self.relay.reset()
+        self.relay.seed(active_turn)
+
+    async def relay_snapshot(self, frame: dict[str, Any]) -> dict[str, Any] | None:
+        """D1, D3: the part of a snapshot this client lacks, or None. A gap asks the turn's
+        process for a full snapshot, which arrives on this connection's own channel."""
+        out, ask = self.relay.relay(frame)
+        if ask:
+            await request_full_snapshot(str(frame["turn_id"]), self.reply_channel)
+        return out
+
+    # --- client input ----------------------------------------------------------------------
+
+    def inbound(self, content: str, *, mode: str = "send", client_msg_id: str = "") -> Inbound:
+        return build_inbound(
+            user=self.user,
+            channel=self.channel,
+            chat_id=self.chat_id,
+            content=content,
+            mode=mode,
+            client_msg_id=client_msg_id,
+        )
+
+    async def send_or_command(
+        self, content: str, target: Session, *, mode: str = "send", client_msg_id: str = ""
+    ) -> Ack | commands.CommandResult:
+        """A send whose text starts with `/` runs that slash command (B3); anything else is
+        submitted (the engine refuses a write into a read-only dialog, `read_only`)."""
+        if mode == "send" and commands.is_command(content):
+            return await self.command(content, target)
+        return await self.engine.submit(
+            self.inbound(content, mode=mode, client_msg_id=client_msg_id), target
+        )
+
+    async def command(self, text: str, target: Session) -> commands.CommandResult:
+        """B3: run one slash command on `target`; one that changes the dialog is refused on
+        a dialog read-only for this user."""
+        if commands.writes_dialog(text):
+            await database_sync_to_async(selectors.dialog_check_writable)(
+                user_id=self.user.pk, session=target
+            )
+        ctx = commands.CommandContext(
+            owner=self.user,
+            channel=self.channel,
+            chat_id=self.chat_id,
+            current=target,
+            engine=self.engine,
+        )
+        return await run_command(self.engine, ctx, text)
+
+    async def stop(self, target: Session) -> commands.CommandResult:
+        """C6: the same path as `/stop`."""
+        return await self.command("/stop", target)
+
+    async def retry(self, target: Session, *, client_msg_id: str = "") -> Ack:
+        await self._check_writable(target)
+        return await self.engine.retry(target, owner=self.user, client_msg_id=client_msg_id)
+
+    async def continue_answer(self, target: Session, *, client_msg_id: str = "") -> Ack:
+        """E5: go on with a cut answer."""
+        await self._check_writable(target)
+        return await self.engine.continue_answer(
+            target, owner=self.user, client_msg_id=client_msg_id
+        )
+
+    async def _check_writable(self, target: Session) -> None:
+        await database_sync_to_async(selectors.dialog_check_writable)(
+            user_id=self.user.pk, session=target
+        )

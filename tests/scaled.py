@@ -44,6 +44,9 @@ def require_scaled_services() -> None:
         pytest.skip(reason)
 
 
+SERVER_APP_NAME = "chat-test-server"
+
+
 def database_url_of_tests() -> str:
     """The URL of the database pytest-django made for this run, for the subprocesses."""
     from django.db import connection
@@ -54,7 +57,8 @@ def database_url_of_tests() -> str:
         auth += ":" + quote(s["PASSWORD"])
     host = s.get("HOST") or "127.0.0.1"
     port = f":{s['PORT']}" if s.get("PORT") else ""
-    return f"postgres://{auth}@{host}{port}/{s['NAME']}"
+    # Named, so a test can drop the servers' connections and never its own.
+    return f"postgres://{auth}@{host}{port}/{s['NAME']}?application_name={SERVER_APP_NAME}"
 
 
 class RedisServer:

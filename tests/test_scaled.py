@@ -18,7 +18,15 @@ import pytest
 from sessions_app import services
 from sessions_app.models import Message, Session, Turn
 from tests.fakemodel import FakeModelServer, Reply, user_texts
-from tests.scaled import Api, Cluster, RedisServer, Socket, require_scaled_services, wait_until
+from tests.scaled import (
+    SERVER_APP_NAME,
+    Api,
+    Cluster,
+    RedisServer,
+    Socket,
+    require_scaled_services,
+    wait_until,
+)
 
 # Several processes start per test; a loaded CI machine gets more than the default 120 s.
 pytestmark = [
@@ -441,7 +449,8 @@ def test_dropped_database_connections_lose_nothing(
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                "WHERE datname = current_database() AND application_name = %s",
+                [SERVER_APP_NAME],
             )
             return int(cursor.fetchone()[0])
 

@@ -26,7 +26,7 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
-from chatcore.engine.errors import ChatError
+from chatcore.common.errors import ChatError
 
 from . import services
 from .models import ApiToken, MemoryNote, Message, Session, TitleSource, Turn

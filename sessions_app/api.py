@@ -52,10 +52,11 @@ from ninja import NinjaAPI, Query, Router, Status
 from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.parser import Parser
 
-from chatcore.engine import background, clientstate, limits, publish, runtime
+from chatcore.common import events, publish
+from chatcore.common.errors import ChatError, NotFound, ShuttingDown
+from chatcore.common.ids import owner_chat_id
+from chatcore.engine import background, clientstate, limits, runtime
 from chatcore.engine.engine import Ack, Engine, Inbound
-from chatcore.engine.errors import ChatError, NotFound, ShuttingDown
-from chatcore.engine.ids import owner_chat_id
 
 from . import logins, selectors, services
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard, request_login
@@ -480,7 +481,7 @@ async def list_messages(
         return {
             # A page read after the dialog row may hold newer messages; never report less.
             "history_revision": max([session.last_seq, *(m.seq for m in messages)]),
-            "messages": [publish.message_frame(m) for m in messages],
+            "messages": [events.message_frame(m) for m in messages],
             "has_more": has_more,
             "next_from_seq": messages[-1].seq + 1 if messages else from_seq,
         }
@@ -850,7 +851,7 @@ def _stored_terminal(session: Session, turn_id: str) -> dict[str, Any] | None:
     error = None
     if turn.error_kind:
         error = {"kind": turn.error_kind, "message": turn.error_message}
-    return publish.turn_updated_frame(
+    return events.turn_updated_frame(
         session_id=session.session_id,
         turn_id=turn_id,
         status=turn.status,

@@ -30,7 +30,10 @@ from django.http.cookie import parse_cookie
 from django.utils import translation
 from django.utils.translation import gettext as _
 
-from chatcore.engine import commands, publish, runtime
+from chatcore.common import events, publish
+from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
+from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
+from chatcore.engine import commands, runtime
 from chatcore.engine.clientstate import (
     SnapshotRelay,
     request_full_snapshot,
@@ -38,8 +41,6 @@ from chatcore.engine.clientstate import (
     sessions_frame,
 )
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
-from chatcore.engine.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 from chatcore.engine.sessions import resolve_dialog
 
 from . import logins, selectors
@@ -466,7 +467,7 @@ class ChatConsumer(AsyncWebsocketConsumer):
         if "history" in result.effects:
             await self._send_history(self.current)
         if "session" in result.effects and result.current is not None:
-            frame = publish.session_updated_frame(session=result.current)
+            frame = events.session_updated_frame(session=result.current)
             # The same frame also arrives through the chat group; it is not sent twice.
             self.echoed_updates[frame["session_id"]] = frame
             await self._send(frame)

@@ -21,9 +21,9 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from chatcore.engine import publish
-from chatcore.engine.errors import BadRequest, DialogExists, NotFound, StorageError
-from chatcore.engine.ids import SessionKey, chat_belongs_to, storable_text, validate_part
+from chatcore.common import events, publish
+from chatcore.common.errors import BadRequest, DialogExists, NotFound, StorageError
+from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from .models import (
     ApiToken,
@@ -78,7 +78,7 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
             if session is not None:
                 publish.publish_to_chat(
                     session,
-                    publish.notification_frame(
+                    events.notification_frame(
                         session_id=session.session_id,
                         level="error",
                         content=_("Saving to the database failed; the last change was not kept."),
@@ -191,10 +191,10 @@ def session_create(
 
 
 def _announce_created(session: Session, welcome: Message) -> None:
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     publish.publish_to_chat(
         session,
-        publish.history_delta_frame(
+        events.history_delta_frame(
             session_id=session.session_id, turn_id=None, base_revision=0, messages=[welcome]
         ),
     )
@@ -214,7 +214,7 @@ def session_rename(*, session: Session, title: str, source: str = TitleSource.US
 
     storage_retry(write, what="session_rename", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -234,7 +234,7 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
     if not storage_retry(write, what="title_commit"):
         return None
     session = Session.objects.get(pk=session_pk)
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -251,7 +251,7 @@ def title_reset(*, session: Session) -> Session:
 
     storage_retry(write, what="title_reset", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -283,7 +283,7 @@ def session_soft_delete(*, session: Session) -> Session:
     for turn in dropped:
         publish.publish_to_chat(
             session,
-            publish.turn_updated_frame(
+            events.turn_updated_frame(
                 session_id=session.session_id,
                 turn_id=str(turn.pk),
                 status=TurnStatus.CANCELLED,
@@ -291,7 +291,7 @@ def session_soft_delete(*, session: Session) -> Session:
                 client_msg_id=turn.client_msg_id,
             ),
         )
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     return session
 
 
@@ -320,7 +320,7 @@ def session_restore(*, session: Session) -> Session:
 
     storage_retry(write, what="session_restore", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     return session
 
 
@@ -470,7 +470,7 @@ class StaleSession(Exception):
 def _announce_appended(appended: Appended, turn: Turn | None) -> None:
     publish.publish_to_chat(
         appended.session,
-        publish.history_delta_frame(
+        events.history_delta_frame(
             session_id=appended.session.session_id,
             turn_id=str(turn.pk) if turn else None,
             base_revision=appended.base_revision,

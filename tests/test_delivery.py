@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import OperationalError, connection
 from django.test import override_settings
 
-from chatcore.engine import publish
+from chatcore.common import publish
 from chatcore.engine.delivery import DeliveryError, TargetNotFound, Terminal
 from sessions_app import services
 from tests.engine_helpers import chat_group_of, send

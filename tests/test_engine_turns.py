@@ -14,8 +14,8 @@ from django.conf import settings
 from django.db import OperationalError, connection
 from django.test import override_settings
 
-from chatcore.engine import publish
-from chatcore.engine.errors import BadRequest, Overloaded, QueueFull, RateLimited, TooLarge
+from chatcore.common import publish
+from chatcore.common.errors import BadRequest, Overloaded, QueueFull, RateLimited, TooLarge
 from chatcore.engine.turns.builder import RUNTIME_MARKER, SYSTEM_PROMPT
 from sessions_app import services
 from sessions_app.models import MemoryNote, StagedInput, Turn
@@ -342,7 +342,7 @@ async def test_retry_after_stop_keeps_the_earlier_partial_in_history(
 
 async def test_nothing_to_retry_is_a_clear_error(make_engine, user):
     # covers: C6
-    from chatcore.engine.errors import NothingToRetry
+    from chatcore.common.errors import NothingToRetry
 
     engine = await make_engine()
     session = await make_dialog(user)

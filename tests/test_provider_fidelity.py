@@ -15,7 +15,7 @@ from django.core.cache import cache
 from django.test import override_settings
 from django.utils import translation
 
-from chatcore.engine.errors import NothingToContinue
+from chatcore.common.errors import NothingToContinue
 from chatcore.engine.provider import (
     ANSWER_TOKEN_MARGIN,
     OpenAIProvider,
@@ -270,7 +270,7 @@ async def test_a_stop_after_only_whitespace_stores_no_partial(
     # covers: E5, C6
     import threading
 
-    from chatcore.engine import publish
+    from chatcore.common import publish
 
     engine = await make_engine()
     session = await make_dialog(user)

@@ -21,9 +21,9 @@ from django.db import DatabaseError, OperationalError, connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from chatcore.engine import publish
-from chatcore.engine.errors import BadRequest, NotFound, StorageError
-from chatcore.engine.ids import SessionKey, owner_chat_id, validate_part
+from chatcore.common import publish
+from chatcore.common.errors import BadRequest, NotFound, StorageError
+from chatcore.common.ids import SessionKey, owner_chat_id, validate_part
 from chatcore.engine.sessions import SessionStates
 from sessions_app import selectors, services
 from sessions_app.models import Message, MessageKind, Role, Session, TitleSource, Turn

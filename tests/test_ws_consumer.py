@@ -21,7 +21,8 @@ from django.core.cache import cache
 from django.test import Client, override_settings
 
 from chatcore.asgi import application
-from chatcore.engine import publish, runtime
+from chatcore.common import publish
+from chatcore.engine import runtime
 from sessions_app import services
 from sessions_app.models import ApiToken, Message, Session, Turn
 from tests.engine_helpers import make_dialog

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -34,6 +34,19 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
+from chatcore.common import events, publish
+from chatcore.common.errors import (
+    BadRequest,
+    NotFound,
+    NothingToContinue,
+    NothingToRetry,
+    Overloaded,
+    QueueFull,
+    ReadOnlyDialog,
+    ShuttingDown,
+    TooLarge,
+)
+from chatcore.common.ids import FIRST_PARTY_CHANNELS, storable_text
 from sessions_app import selectors, services
 from sessions_app.models import (
     Message,
@@ -47,23 +60,12 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from . import background, lease, limits, publish
+from . import jobs, lease, limits
 from .delivery import DeliveryCoordinator, DeliveryHandle, Terminal, sink_for_channel
-from .errors import (
-    BadRequest,
-    NotFound,
-    NothingToContinue,
-    NothingToRetry,
-    Overloaded,
-    QueueFull,
-    ReadOnlyDialog,
-    ShuttingDown,
-    TooLarge,
-)
-from .ids import FIRST_PARTY_CHANNELS, storable_text
 from .layerwatch import LayerWatch
 from .lease import Lease, LeaseLost
 from .provider import ChatProvider, provider_from_settings
+from .scheduler import CeleryScheduler, InProcessScheduler, Scheduler
 from .sessions import SessionStates
 from .supervisor import TaskSupervisor
 from .tools import ToolContext, ToolRegistry, registry_from_settings
@@ -128,14 +130,13 @@ class Ack:
     client_msg_id: str = ""
 
     def frame(self) -> dict[str, Any]:
-        return {
-            "type": "queued",
-            "session_id": self.session.session_id,
-            "turn_id": self.turn_id,
-            "position": self.position,
-            "client_msg_id": self.client_msg_id or None,
-            "mode": self.mode,
-        }
+        return events.queued_frame(
+            session_id=self.session.session_id,
+            turn_id=self.turn_id,
+            position=self.position,
+            mode=self.mode,
+            client_msg_id=self.client_msg_id,
+        )
 
 
 @dataclass
@@ -196,6 +197,7 @@ class Engine:
         builder: TurnInputBuilder | None = None,
         scope: Callable[[Any], Any] | None = None,
         name: str | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.process_id = name or _process_id()
         # F7: at most CHAT["MODEL_CALLS_MAX"] model calls of this process at once.
@@ -204,6 +206,17 @@ class Engine:
         self.states = SessionStates()
         self.builder = builder or TurnInputBuilder(states=self.states)
         self.supervisor = TaskSupervisor(self.process_id)
+        # Background jobs (B4, B5): Celery in scaled mode, this engine's supervisor otherwise.
+        self.scheduler: Scheduler = scheduler or (
+            CeleryScheduler()
+            if settings.SCALED
+            else InProcessScheduler(
+                spawn=self.supervisor.spawn,
+                provider=self.provider,
+                loop=lambda: self.loop,
+                closing=lambda: self.closing,
+            )
+        )
         # F7: open WebSockets per user, counted by the consumers of this process.
         self.sockets = limits.SocketRegistry()
         # Optional filter of the dialogs this engine picks up by itself in sweeps (the terminal
@@ -232,9 +245,7 @@ class Engine:
             return
         self._started = True
         self.loop = asyncio.get_running_loop()
-        publish.bind_loop(self.loop)
-        if not settings.SCALED:
-            background.bind_embedded(self)
+        publish.bind_loop(self.loop, spawn=self._spawn_publish)
         layer = get_channel_layer()
         if layer is not None:
             self._control_channel = await layer.new_channel("engine.")
@@ -260,9 +271,10 @@ class Engine:
                 await layer.group_discard(publish.engine_control_group(), self._control_channel)
             except Exception:
                 logger.warning("control group discard failed")
-        if background._embedded_engine is self:
-            background.bind_embedded(None)
         await self.provider.aclose()
+
+    def _spawn_publish(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        return self.supervisor.spawn(name, coro)
 
     @property
     def closing(self) -> bool:
@@ -441,7 +453,7 @@ class Engine:
         for turn in dropped:
             await publish.apublish(
                 publish.chat_group(session.channel, session.chat_id),
-                publish.turn_updated_frame(
+                events.turn_updated_frame(
                     session_id=session.session_id,
                     turn_id=str(turn.pk),
                     status=TurnStatus.CANCELLED,
@@ -761,7 +773,7 @@ class Engine:
             )
             publish.publish_to_chat(
                 session,
-                publish.turn_updated_frame(
+                events.turn_updated_frame(
                     session_id=session.session_id,
                     turn_id=str(turn.pk),
                     status=result.status,
@@ -842,8 +854,8 @@ class Engine:
                 )
                 return
             if prepared.dropped_for_budget:
-                await sync_to_async(background.request_compaction)(
-                    session_pk=session.pk, manual=False
+                await sync_to_async(self.scheduler.schedule)(
+                    "compact_session", session_pk=session.pk, manual=False
                 )
 
             async def fetch_staged() -> list[Any]:
@@ -866,8 +878,8 @@ class Engine:
             )
             outcome = await self._run_cancellable(local, runner, prepared)
             if runner.recovered:
-                await sync_to_async(background.request_compaction)(
-                    session_pk=session.pk, manual=False
+                await sync_to_async(self.scheduler.schedule)(
+                    "compact_session", session_pk=session.pk, manual=False
                 )
             await self._finish(
                 turn, session, outcome, generation, delivery=local.delivery, fence=held
@@ -989,7 +1001,7 @@ class Engine:
             )
         await publish.apublish(
             publish.chat_group(session.channel, session.chat_id),
-            publish.turn_updated_frame(
+            events.turn_updated_frame(
                 session_id=session.session_id,
                 turn_id=str(turn.pk),
                 status=result.status,
@@ -1003,7 +1015,10 @@ class Engine:
             await delivery.finish(_terminal_for_sink(outcome, result))
         if result.status == TurnStatus.COMPLETED:
             try:
-                await sync_to_async(background.after_turn)(session_pk=session.pk)
+                if await sync_to_async(jobs.title_due)(session_pk=session.pk):
+                    await sync_to_async(self.scheduler.schedule)(
+                        "generate_title", session_pk=session.pk
+                    )
             except DatabaseError:
                 # A title is scheduled again after the next turn; the queue must go on.
                 logger.warning(
@@ -1106,16 +1121,14 @@ class Engine:
         text = snap.text
         offset = 0 if full else min(local.published_offset, len(text))
         local.frame += 1
-        return {
-            "type": "turn_snapshot",
-            "session_id": local.session.session_id,
-            "turn_id": local.turn_id,
-            "status": "running",
-            "text_offset": offset,
-            "text": text[offset:],
-            "tools": snap.tools_dicts(),
-            "frame": local.frame,
-        }
+        return events.turn_snapshot_frame(
+            session_id=local.session.session_id,
+            turn_id=local.turn_id,
+            text=text[offset:],
+            tools=snap.tools_dicts(),
+            frame=local.frame,
+            text_offset=offset,
+        )
 
     def active_snapshot(self, turn_id: str) -> dict[str, Any] | None:
         local = self.local.get(turn_id)

@@ -14,6 +14,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from chatcore.common.errors import StorageError
 from sessions_app import services
 from sessions_app.models import (
     MessageKind,
@@ -25,7 +26,6 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from ..errors import StorageError
 from ..lease import Lease
 from ..sessions import SessionStates
 from .outcome import (

@@ -3,6 +3,7 @@ scripted test sink: the five cases of the design notes plus target-not-found and
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ class SinkScript:
     updates: list[str] = field(default_factory=list)
     finishes: list[Terminal] = field(default_factory=list)
     plain: list[str] = field(default_factory=list)
+    finish_gate: asyncio.Event | None = None  # finish waits for it (a stuck platform)
 
 
 SCRIPT = SinkScript()
@@ -48,6 +50,8 @@ class ScriptedSink:
         SCRIPT.updates.append(text)
 
     async def finish(self, handle: Any, terminal: Terminal) -> None:
+        if SCRIPT.finish_gate is not None:
+            await SCRIPT.finish_gate.wait()
         SCRIPT.finishes.append(terminal)
         if SCRIPT.finish_failures == -1 or len(SCRIPT.finishes) <= SCRIPT.finish_failures:
             raise SCRIPT.finish_error("edit failed")
@@ -115,6 +119,28 @@ async def test_transient_finish_failure_then_success_sends_no_fallback(
     await run_one(make_engine, fake_model, recorder, user, Reply(text="the answer"))
     assert len(sink.finishes) == 2 and sink.plain == []
     assert sink.finishes[-1] == Terminal(status="completed", text="the answer")
+
+
+async def test_a_stuck_sink_does_not_hold_up_the_next_turn(
+    sink, make_engine, fake_model, recorder, user
+):
+    # covers: D4 (issue 12): the worker does not wait for a sink's terminal; the dialog's next
+    # turn runs and ends while the first terminal is still on its way, and the terminals
+    # still reach the platform once each, in the order of the turns.
+    sink.finish_gate = asyncio.Event()
+    engine = await make_engine()
+    session = await platform_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="first answer"), Reply(text="second answer"))
+    a = await send(engine, session, "one")
+    b = await send(engine, session, "two")
+    done = await terminals(rec, [a.turn_id, b.turn_id])
+    assert done[a.turn_id]["status"] == done[b.turn_id]["status"] == "completed"
+    assert sink.finishes == []
+    sink.finish_gate.set()
+    await engine.wait_idle()
+    assert [t.text for t in sink.finishes] == ["first answer", "second answer"]
+    assert sink.plain == []
 
 
 async def test_target_not_found_is_never_success(sink, make_engine, fake_model, recorder, user):

@@ -11,7 +11,10 @@ with the terminal. The `DeliveryCoordinator` makes that observable and bounded:
 - a cancelled or failed turn never re-sends an answer body: only a short partial/failure note,
   and only when a partial exists and the sink failed;
 - a persistence failure never sends the text from before the failure as a completed answer;
-- cancel and shutdown never produce two terminals: `finish` runs once per handle.
+- cancel and shutdown never produce two terminals: `finish` runs once per handle;
+- terminals go out off the turn's path (`finish_later`): the worker takes the dialog's next
+  turn while a slow or broken sink is still being retried, and the terminals of one chat
+  still go out in the order of its turns.
 
 Sinks are configured per channel in `CHAT["SINKS"]` (`{"channel": "dotted.path.Factory"}`).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Protocol
@@ -119,6 +123,8 @@ class DeliveryCoordinator:
         self.retries = retries
         self.backoff = backoff
         self.timeout = timeout
+        # The last pending terminal of each chat: the next one of that chat waits for it.
+        self._pending: dict[str, asyncio.Task[Any]] = {}
 
     async def start(self, sink: ChannelSink, target: dict[str, Any]) -> DeliveryHandle:
         """Open the streaming message. A failed open is recorded on the handle, whose terminal
@@ -132,6 +138,40 @@ class DeliveryCoordinator:
                 "sink open failed, the terminal will be a plain message: %s", type(exc).__name__
             )
         return handle
+
+    def finish_later(
+        self,
+        handle: DeliveryHandle,
+        terminal: Terminal,
+        *,
+        spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+    ) -> bool:
+        """Deliver the terminal as a task of `spawn` (the engine's supervisor, so shutdown
+        gives it the grace period), after the chat's previous terminal. False when `spawn`
+        refuses (shutdown began): the caller then finishes in place."""
+        key = str(handle.target.get("chat_id", ""))
+        previous = self._pending.get(key)
+
+        async def deliver() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.wait({previous})
+            await handle.finish(terminal)
+
+        try:
+            task = spawn(f"delivery:{handle.target.get('turn_id', '')}", deliver())
+        except Exception:
+            return False
+        self._pending[key] = task
+        task.add_done_callback(lambda done: self._forget(key, done))
+        return True
+
+    def pending(self) -> list[asyncio.Task[Any]]:
+        """Terminals still on their way to a sink."""
+        return [t for t in self._pending.values() if not t.done()]
+
+    def _forget(self, key: str, task: asyncio.Task[Any]) -> None:
+        if self._pending.get(key) is task:
+            del self._pending[key]
 
     async def _finish(self, handle: DeliveryHandle, terminal: Terminal) -> str:
         assert handle.sink is not None

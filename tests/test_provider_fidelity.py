@@ -16,11 +16,8 @@ from django.test import override_settings
 from django.utils import translation
 
 from chatcore.common.errors import NothingToContinue
-from chatcore.engine.provider import (
-    ANSWER_TOKEN_MARGIN,
-    OpenAIProvider,
-    classify_stream_error,
-)
+from chatcore.engine.provider import OpenAIProvider
+from chatcore.engine.provider_errors import ANSWER_TOKEN_MARGIN, classify_stream_error
 from chatcore.engine.turns.builder import CONTINUE_INSTRUCTION
 from chatcore.engine.turns.outcome import FailureKind, present_failure
 from sessions_app import services

@@ -37,7 +37,8 @@ from . import control, limits, queue, snapshots
 from .delivery import DeliveryCoordinator
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
 from .layerwatch import LayerWatch
-from .provider import ChatProvider, provider_from_settings
+from .provider import provider_from_settings
+from .provider_types import ChatProvider
 from .scheduler import CeleryScheduler, InProcessScheduler, Scheduler
 from .sessions import SessionStates
 from .snapshots import LocalTurn

@@ -14,14 +14,15 @@ import re
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
-from django.db import connection, transaction
+from django.db import connection
 from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
-from sessions_app import services
+from sessions_app import services, turn_services
 from sessions_app.models import Compaction, Message, MessageKind, Session, TitleSource
 
-from .provider import ChatProvider, complete_text, provider_from_settings
+from .provider import provider_from_settings
+from .provider_types import ChatProvider, complete_text
 
 logger = logging.getLogger(__name__)
 
@@ -180,20 +181,6 @@ def _compaction_input_off_thread(
         connection.close()
 
 
-def _commit_compaction(
-    *, session_pk: str, through: int, generation: int, summary: str
-) -> Session | None:
-    with transaction.atomic():
-        session = Session.objects.select_for_update().filter(pk=session_pk).first()
-        if session is None or session.deleted_at is not None or session.generation != generation:
-            return None
-        if Compaction.objects.filter(session_id=session_pk, through_seq__gte=through).exists():
-            return None
-        Compaction.objects.create(session_id=session_pk, through_seq=through, summary=summary)
-        Session.objects.filter(pk=session_pk).update(state_version=session.state_version + 1)
-    return session
-
-
 async def compact_session(
     *, session_pk: str, manual: bool = False, provider: ChatProvider | None = None
 ) -> int | None:
@@ -239,7 +226,7 @@ async def _compact_session(
             await provider.aclose()
     if not summary:
         return None
-    committed = await sync_to_async(_commit_compaction)(
+    committed = await sync_to_async(turn_services.compaction_commit)(
         session_pk=session_pk, through=through, generation=generation, summary=summary
     )
     if committed is None:

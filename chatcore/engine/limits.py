@@ -36,7 +36,7 @@ from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
 
-from .provider import ChatProvider, Completion, ProviderEvent
+from .provider_types import ChatProvider, Completion, ProviderEvent
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from chatcore.common.errors import (
     Overloaded,
     QueueFull,
 )
-from sessions_app import services
+from sessions_app import services, storage, turn_services
 from sessions_app.models import (
     Message,
     MessageKind,
@@ -161,7 +161,7 @@ def admit(inbound: Inbound, session: Session, *, cfg: dict[str, Any], states: Se
             mode = "send" if inbound.mode == "steer" else inbound.mode
             return Ack(live, str(turn.pk), position(turn), mode, inbound.client_msg_id), None
 
-    ack, appended = services.storage_retry(write, what="admit", session=session)
+    ack, appended = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:
         states.apply_appended(appended)
     return ack
@@ -191,7 +191,7 @@ def stop(session: Session) -> tuple[Turn | None, list[Turn]]:
             ).update(status=StagedInput.Status.DROPPED)
             return running, dropped
 
-    return services.storage_retry(write, what="stop", session=session)
+    return storage.storage_retry(write, what="stop", session=session)
 
 
 def request_cancel(turn_pk: Any) -> None:
@@ -232,7 +232,7 @@ def enqueue_retry(
             )
             return Ack(live, str(turn.pk), position(turn), "retry", client_msg_id)
 
-    return services.storage_retry(write, what="retry", session=session)
+    return storage.storage_retry(write, what="retry", session=session)
 
 
 def enqueue_continue(
@@ -258,7 +258,7 @@ def enqueue_continue(
             )
             return Ack(live, str(turn.pk), position(turn), "continue", client_msg_id)
 
-    return services.storage_retry(write, what="continue", session=session)
+    return storage.storage_retry(write, what="continue", session=session)
 
 
 def continuable_answer(session_pk: str) -> Message | None:
@@ -327,7 +327,7 @@ def claim_next(session_pk: str, held: Lease, *, cfg: dict[str, Any]) -> Turn | o
             turn.status = TurnStatus.RUNNING
             return turn
 
-    return services.storage_retry(claim, what="claim")
+    return storage.storage_retry(claim, what="claim")
 
 
 def recover_interrupted(
@@ -397,7 +397,7 @@ def after_turn_staged(
                 )
                 for i in injects
             ],
-            extra=lambda _s: _mark_recorded([i.pk for i in injects]),
+            extra=lambda _s: turn_services.staged_inputs_record(pks=[i.pk for i in injects]),
             guard=fence.guard,
         )
         states.apply_appended(appended)
@@ -418,10 +418,6 @@ def after_turn_staged(
                     received_at=s.received_at,
                 )
                 StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
-
-
-def _mark_recorded(pks: list[Any]) -> None:
-    StagedInput.objects.filter(pk__in=pks).update(status=StagedInput.Status.RECORDED)
 
 
 def checkpoint(turn_id: str, text: str | None, held: Lease | None) -> bool:

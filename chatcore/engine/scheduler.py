@@ -25,7 +25,7 @@ from django.core.cache import cache
 from django.db import transaction
 
 from . import jobs
-from .provider import ChatProvider
+from .provider_types import ChatProvider
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from django.db import DatabaseError
 
 from chatcore.common import events, publish
 from chatcore.common.errors import ShuttingDown
-from sessions_app import services
+from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
 
 from . import jobs, lease, queue, snapshots
 from .delivery import DeliveryCoordinator, Terminal, sink_for_channel
 from .lease import Lease, LeaseLost
-from .provider import ChatProvider
+from .provider_types import ChatProvider
 from .scheduler import Scheduler
 from .sessions import SessionStates
 from .snapshots import LocalTurn
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 async def reset_db() -> None:
     try:
-        await sync_to_async(services.reset_broken_connection)()
+        await sync_to_async(storage.reset_broken_connection)()
     except Exception:
         logger.exception("could not reset the database connection")
 
@@ -451,7 +451,7 @@ class Workers:
                 )
                 await reset_db()
         try:
-            await sync_to_async(services.storage_retry)(
+            await sync_to_async(storage.storage_retry)(
                 lambda: queue.after_turn_staged(
                     turn, result, fence, states=self.states, cfg=self.cfg
                 ),

@@ -51,9 +51,10 @@ def bind_loop(loop: asyncio.AbstractEventLoop | None, spawn: Spawn | None = None
     tasks a publish from sync code on that loop starts (the engine's supervisor, F1)."""
     global _engine_loop, _spawn
     with _loop_lock:
-        _engine_loop = loop
-        if spawn is not None or loop is None:
+        # Binding the same loop again without a runner keeps the engine's runner.
+        if spawn is not None or loop is not _engine_loop:
             _spawn = spawn
+        _engine_loop = loop
 
 
 # --- Sending ------------------------------------------------------------------------------

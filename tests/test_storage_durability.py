@@ -52,7 +52,7 @@ def test_an_append_that_fails_twice_succeeds_on_the_third_attempt(
 ) -> None:
     # covers: A4
     session = create(user)
-    caplog.set_level(logging.WARNING, logger="sessions_app.services")
+    caplog.set_level(logging.WARNING, logger="sessions_app.storage")
     fail = FailStatements(MESSAGE_TABLE, "INSERT", failures=2)
     with connection.execute_wrapper(fail):
         appended = services.messages_append(session_pk=session.pk, messages=[user_msg("kept")])
@@ -62,7 +62,7 @@ def test_an_append_that_fails_twice_succeeds_on_the_third_attempt(
     rows = list(Message.objects.filter(session=session).order_by("seq"))
     assert [(m.seq, m.content) for m in rows] == [(1, rows[0].content), (2, "kept")]
     assert fresh(session).last_seq == 2
-    retries = [r for r in caplog.records if r.name == "sessions_app.services"]
+    retries = [r for r in caplog.records if r.name == "sessions_app.storage"]
     assert [r.levelno for r in retries] == [logging.WARNING, logging.WARNING]
 
 
@@ -85,7 +85,7 @@ def test_an_append_that_keeps_failing_raises_stores_nothing_and_logs(
     # covers: A4, C10
     session = create(user)
     before = fresh(session)
-    caplog.set_level(logging.WARNING, logger="sessions_app.services")
+    caplog.set_level(logging.WARNING, logger="sessions_app.storage")
     fail = FailStatements(MESSAGE_TABLE, "INSERT", failures=100)
     with connection.execute_wrapper(fail), pytest.raises(StorageError) as info:
         services.messages_append(session_pk=session.pk, messages=[user_msg("lost")])
@@ -113,7 +113,7 @@ async def test_a_failed_append_notifies_the_chat_and_leaves_memory_untouched(
     before = await sync_to_async(states.history)(session)
     assert [m.seq for m in before] == [1]
     rec = await recorder(publish.chat_group(session.channel, session.chat_id))
-    caplog.set_level(logging.WARNING, logger="sessions_app.services")
+    caplog.set_level(logging.WARNING, logger="sessions_app.storage")
 
     def failing_append() -> int:
         fail = FailStatements(MESSAGE_TABLE, "INSERT", failures=100)

@@ -299,6 +299,16 @@ def acquire_lease(session_pk: str, *, owner: str, cfg: dict[str, Any]) -> Lease 
     return lease.acquire(session_pk, owner=owner, seconds=cfg["LEASE_SECONDS"])
 
 
+def renew_lease(held: Lease) -> bool:
+    """Extend the lease; False when another process took the dialog over (G2)."""
+    return lease.renew(held)
+
+
+def release_lease(held: Lease) -> None:
+    """Give the lease up (only our own epoch: a successor's lease is never cleared)."""
+    lease.release(held)
+
+
 def has_queued(session_pk: str) -> bool:
     return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
 

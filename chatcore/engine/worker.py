@@ -23,7 +23,7 @@ from chatcore.common.errors import ShuttingDown
 from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
 
-from . import jobs, lease, queue, snapshots
+from . import jobs, queue, snapshots
 from .delivery import DeliveryCoordinator, Terminal, sink_for_channel
 from .lease import Lease, LeaseLost
 from .provider_types import ChatProvider
@@ -119,7 +119,7 @@ class Workers:
             )
         except ShuttingDown:
             self._leases.pop(session_pk, None)
-            await sync_to_async(lease.release)(held)
+            await sync_to_async(queue.release_lease)(held)
 
     async def _worker(self, session_pk: str) -> None:
         wake = self._wakeups[session_pk]
@@ -140,7 +140,7 @@ class Workers:
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
-                await sync_to_async(lease.release)(held)
+                await sync_to_async(queue.release_lease)(held)
                 if turn is queue.HELD_BACK:
                     # F7: the owner runs the most turns allowed. The queue waits, leaseless,
                     # until one of the owner's turns ends (`_start_waiting`, any process) or
@@ -168,7 +168,7 @@ class Workers:
             self._leases.pop(session_pk, None)
             if not held.released and not held.lost:
                 try:
-                    await asyncio.shield(sync_to_async(lease.release)(held))
+                    await asyncio.shield(sync_to_async(queue.release_lease)(held))
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
@@ -184,7 +184,7 @@ class Workers:
             if held is None or held.released or held.lost:
                 continue
             try:
-                if await sync_to_async(lease.renew)(held):
+                if await sync_to_async(queue.renew_lease)(held):
                     continue
             except Exception:
                 logger.exception("lease renewal failed", extra={"session_id": session_pk})

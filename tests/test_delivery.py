@@ -34,6 +34,7 @@ class SinkScript:
     finishes: list[Terminal] = field(default_factory=list)
     plain: list[str] = field(default_factory=list)
     finish_gate: asyncio.Event | None = None  # finish waits for it (a stuck platform)
+    update_gate: asyncio.Event | None = None  # update waits for it (a stuck platform)
 
 
 SCRIPT = SinkScript()
@@ -47,6 +48,8 @@ class ScriptedSink:
         return {"message_id": "m-1"}
 
     async def update(self, handle: Any, text: str) -> None:
+        if SCRIPT.update_gate is not None:
+            await SCRIPT.update_gate.wait()
         SCRIPT.updates.append(text)
 
     async def finish(self, handle: Any, terminal: Terminal) -> None:
@@ -141,6 +144,33 @@ async def test_a_stuck_sink_does_not_hold_up_the_next_turn(
     await engine.wait_idle()
     assert [t.text for t in sink.finishes] == ["first answer", "second answer"]
     assert sink.plain == []
+
+
+async def test_a_stuck_sink_update_does_not_hold_up_the_snapshots(
+    sink, make_engine, fake_model, recorder, user
+):
+    # covers: D1, D4 (issue 12): the sink's progress runs in its own task; web clients of
+    # the dialog keep getting the answer while the platform's edit hangs.
+    sink.update_gate = asyncio.Event()
+    model_gate = threading.Event()
+    with override_settings(CHAT={**settings.CHAT, "SINK_TIMEOUT_SECONDS": 120}):
+        engine = await make_engine()
+    session = await platform_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    snaps = await recorder(publish.session_group(session.pk))
+    text = "one two three four five six seven eight nine ten"
+    fake_model.script(Reply(text=text, chunk=3, delay=0.05, gate=model_gate))
+    ack = await send(engine, session, "count")
+    try:
+        assert await streamed(snaps, "nine ten", timeout=20) == text
+    finally:
+        model_gate.set()
+        sink.update_gate.set()
+    done = await terminals(rec, [ack.turn_id])
+    assert done[ack.turn_id]["status"] == "completed"
+    await engine.wait_idle()
+    assert sink.finishes == [Terminal(status="completed", text=text)]
+    assert sink.updates and sink.updates[-1] in text
 
 
 async def test_target_not_found_is_never_success(sink, make_engine, fake_model, recorder, user):

@@ -95,6 +95,9 @@ class DeliveryHandle:
     last_text: str = ""
     update_failures: int = 0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Progress waiting for the sink (latest wins) and the task that sends it (`push`).
+    _latest: str | None = None
+    _pump: asyncio.Task[Any] | None = None
 
     async def update(self, text: str) -> None:
         """Latest-wins progress; a failing progress update is logged, never fatal."""
@@ -109,11 +112,35 @@ class DeliveryHandle:
             self.update_failures += 1
             logger.warning("sink update failed: %s", type(exc).__name__)
 
+    def push(
+        self, text: str, *, spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+    ) -> None:
+        """Latest-wins progress off the caller's path: a slow sink never holds up the turn's
+        snapshots; at most one update runs at a time, the newest text goes next."""
+        if self.finished or self.sink is None:
+            return
+        self._latest = text
+        if self._pump is not None and not self._pump.done():
+            return
+        try:
+            self._pump = spawn(f"sink-update:{self.target.get('turn_id', '')}", self._drain())
+        except Exception:
+            # Shutdown began: progress is dropped, the terminal still goes out.
+            self._pump = None
+
+    async def _drain(self) -> None:
+        while self._latest is not None and not self.finished:
+            text, self._latest = self._latest, None
+            await self.update(text)
+
     async def finish(self, terminal: Terminal) -> str:
-        """Deliver the terminal exactly once. Returns how: "sink", "plain" or "none"."""
+        """Deliver the terminal exactly once, after the progress already pushed. Returns
+        how: "sink", "plain" or "none"."""
         async with self._lock:
             if self.finished:
                 return "none"
+            if self._pump is not None and not self._pump.done():
+                await asyncio.wait({self._pump})
             self.finished = True
             return await self.coordinator._finish(self, terminal)
 

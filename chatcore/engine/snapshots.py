@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +65,14 @@ def snapshot_frame(local: LocalTurn, *, full: bool) -> dict[str, Any]:
     )
 
 
-async def publish_snapshots(local: LocalTurn, *, fps: int) -> None:
-    """Coalesce to at most `fps` frames a second, each with the new tail of the text."""
+async def publish_snapshots(
+    local: LocalTurn,
+    *,
+    fps: int,
+    spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+) -> None:
+    """Coalesce to at most `fps` frames a second, each with the new tail of the text; an
+    external sink gets the text through its own task (`DeliveryHandle.push`, D4)."""
     interval = 1.0 / max(1, fps)
     snap = local.snapshot
     while not local.ended:
@@ -78,7 +84,7 @@ async def publish_snapshots(local: LocalTurn, *, fps: int) -> None:
             continue
         await send_snapshot(local)
         if local.delivery is not None:
-            await local.delivery.update(snap.text)
+            local.delivery.push(snap.text, spawn=spawn)
         await asyncio.sleep(interval)
 
 

@@ -314,7 +314,9 @@ class Workers:
         run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
         cancel_wait = loop.create_task(local.cancel.wait())
         publisher = loop.create_task(
-            snapshots.publish_snapshots(local, fps=self.cfg["SNAPSHOT_FPS"])
+            snapshots.publish_snapshots(
+                local, fps=self.cfg["SNAPSHOT_FPS"], spawn=self.supervisor.spawn
+            )
         )
         heartbeat = loop.create_task(
             snapshots.checkpoint_loop(

@@ -31,7 +31,7 @@ help:
 	@echo "make run-scaled scaled mode: two servers (8001, 8002), a Celery worker and beat under honcho;"
 	@echo "                needs DATABASE_URL (PostgreSQL) and REDIS_URL (Redis)"
 	@echo "make test       lint, typecheck and the whole test suite (PYTEST_ARGS=... to narrow)"
-	@echo "make lint       ruff format --check and ruff check"
+	@echo "make lint       ruff format --check, ruff check and the import contract (lint-imports)"
 	@echo "make format     ruff format and ruff check --fix"
 	@echo "make typecheck  mypy"
 	@echo "make migrate    apply database migrations"
@@ -93,6 +93,7 @@ run-scaled: scaled-check
 lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 format: $(DEV_STAMP)
 	$(BIN)/ruff format .

@@ -49,7 +49,7 @@ async def main(args: argparse.Namespace) -> None:
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
 
-    from chatcore.engine import publish
+    from chatcore.common import publish
     from chatcore.engine.engine import Engine, Inbound
     from chatcore.engine.provider import OpenAIProvider
     from sessions_app import services

@@ -1,5 +1,5 @@
 """The Celery app. In scaled mode workers run `celery -A chatcore worker` against Redis; in
-embedded mode the same task functions run in-process (see `chatcore.engine.background`)."""
+embedded mode the same job functions run in-process (see `chatcore.engine.scheduler`)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.operation import Operation
 from ninja.parser import Parser
 
-from chatcore.engine.errors import ChatError
+from chatcore.common.errors import ChatError
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
 from .routes import router

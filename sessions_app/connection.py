@@ -23,10 +23,11 @@ from channels.layers import BaseChannelLayer
 from django.contrib.auth.models import User
 from django.utils import timezone
 
-from chatcore.engine import commands, publish
+from chatcore.common import publish
+from chatcore.common.errors import ChatError, ShuttingDown
+from chatcore.engine import commands
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
 from chatcore.engine.engine import Ack, Engine, Inbound
-from chatcore.engine.errors import ChatError, ShuttingDown
 from chatcore.engine.sessions import resolve_dialog
 
 from . import selectors

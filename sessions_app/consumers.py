@@ -25,14 +25,14 @@ from django.http.cookie import parse_cookie
 from django.utils import translation
 from django.utils.translation import gettext as _
 
-from chatcore.engine import commands, publish, runtime
-from chatcore.engine.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
-from chatcore.engine.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
+from chatcore.common import events
+from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
+from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
+from chatcore.engine import commands, runtime
 
 from . import logins, selectors
 from .connection import ChannelConnection
 from .frames import optional_int, parse_client_frame
-from .frames_out import command_result_frame, error_frame
 from .models import Session
 from .ws_events import CHANNEL, ChatEventsConsumer
 
@@ -153,7 +153,7 @@ class ChatConsumer(ChatEventsConsumer):
                 _("Too many open connections (at most %(n)d); close another tab or app first.")
                 % {"n": limit}
             )
-        await self._send(error_frame(refusal, None))
+        await self._send(events.error_frame_of(refusal))
         await self.close(code=CLOSE_TOO_MANY_SOCKETS)
         return False
 
@@ -198,10 +198,10 @@ class ChatConsumer(ChatEventsConsumer):
                 raise BadRequest(_("Unknown frame type %(type)r.") % {"type": str(kind)[:40]})
             await handler(self, data, client_msg_id)
         except ChatError as exc:
-            await self._send(error_frame(exc, client_msg_id))
+            await self._send(events.error_frame_of(exc, client_msg_id))
         except Exception:
             logger.exception("websocket frame failed", extra={"chat_id": self.chat_id})
-            await self._send(error_frame(InternalError(), client_msg_id))
+            await self._send(events.error_frame_of(InternalError(), client_msg_id))
 
     @staticmethod
     def _parse(text_data: str | None, bytes_data: bytes | None) -> dict[str, Any]:
@@ -278,7 +278,7 @@ class ChatConsumer(ChatEventsConsumer):
             if moved:
                 await self.conn.follow(result.current)
         await self._send(
-            command_result_frame(
+            events.command_result_frame(
                 client_msg_id=client_msg_id,
                 command=result.command,
                 ok=result.ok,
@@ -290,7 +290,7 @@ class ChatConsumer(ChatEventsConsumer):
         if "history" in result.effects:
             await self._send_history(self.current)
         if "session" in result.effects and result.current is not None:
-            frame = publish.session_updated_frame(session=result.current)
+            frame = events.session_updated_frame(session=result.current)
             # The same frame also arrives through the chat group; it is not sent twice.
             self.echoed_updates[frame["session_id"]] = frame
             await self._send(frame)

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.utils.translation import gettext as _
 
-from chatcore.engine.errors import BadRequest, TooLarge
+from chatcore.common.errors import BadRequest, TooLarge
 
 # Client frames are flat objects; this leaves room for any future field shape.
 MAX_NESTING = 32

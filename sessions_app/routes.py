@@ -37,11 +37,12 @@ from django.http import (
 from django.utils.translation import gettext as _
 from ninja import Query, Router, Status
 
-from chatcore.engine import background, clientstate, limits, publish, runtime
+from chatcore.common import events
+from chatcore.common.errors import NotFound, ShuttingDown
+from chatcore.common.ids import owner_chat_id
+from chatcore.engine import background, clientstate, limits, runtime
 from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack
-from chatcore.engine.errors import NotFound, ShuttingDown
-from chatcore.engine.ids import owner_chat_id
 
 from . import selectors, services
 from .api_auth import request_login
@@ -249,7 +250,7 @@ async def list_messages(
         return {
             # A page read after the dialog row may hold newer messages; never report less.
             "history_revision": max([session.last_seq, *(m.seq for m in messages)]),
-            "messages": [publish.message_frame(m) for m in messages],
+            "messages": [events.message_frame(m) for m in messages],
             "has_more": has_more,
             "next_from_seq": messages[-1].seq + 1 if messages else from_seq,
         }

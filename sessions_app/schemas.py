@@ -1,6 +1,6 @@
 """Request (In) and response (Out) schemas of the REST API (PROTOCOL "REST API", SPEC E3).
 
-Out schemas mirror the dicts of `chatcore.engine.clientstate` and `publish.message_frame`, so
+Out schemas mirror the dicts of `chatcore.engine.clientstate` and `events.message_frame`, so
 the API and the WebSocket show a dialog, a message and a turn in the same shape. Optional
 fields of a message are left out when absent (the views render with `exclude_unset`).
 """

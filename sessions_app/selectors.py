@@ -11,8 +11,8 @@ from django.db.models.functions import Length
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from chatcore.engine.errors import NotFound, ReadOnlyDialog
-from chatcore.engine.ids import FIRST_PARTY_CHANNELS, SessionKey
+from chatcore.common.errors import NotFound, ReadOnlyDialog
+from chatcore.common.ids import FIRST_PARTY_CHANNELS, SessionKey
 
 from .models import ChannelChat, Message, Session, StagedInput, Turn, TurnStatus
 

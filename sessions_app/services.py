@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import DatabaseError, IntegrityError, close_old_connections, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from chatcore.engine import publish
-from chatcore.engine.errors import BadRequest, DialogExists, NotFound, StorageError
-from chatcore.engine.ids import SessionKey, chat_belongs_to, storable_text, validate_part
+from chatcore.common import events, publish
+from chatcore.common.errors import BadRequest, DialogExists, NotFound
+from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from .models import (
     ApiToken,
@@ -35,68 +34,11 @@ from .models import (
     Turn,
     TurnStatus,
 )
+from .storage import storage_retry
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 TITLE_MAX = 200
-
-
-def storage_retry(operation: Callable[[], T], *, what: str, session: Session | None = None) -> T:
-    """Run a write, retrying database errors after each configured delay (A4).
-
-    When the last attempt fails too, the error is logged, the session's clients get a system
-    notification (not stored in history), and `StorageError` is raised so that no caller
-    updates its memory as if the write had succeeded.
-    """
-    delays = list(settings.CHAT["STORAGE_RETRY_DELAYS_MS"])
-    attempt = 0
-    while True:
-        try:
-            return operation()
-        except IntegrityError:
-            raise
-        except DatabaseError as exc:
-            if attempt < len(delays):
-                logger.warning(
-                    "storage write %s failed, retrying: %s",
-                    what,
-                    exc,
-                    extra={"attempt": attempt + 1, "session_id": _sid(session)},
-                )
-                time.sleep(delays[attempt] / 1000)
-                reset_broken_connection()
-                attempt += 1
-                continue
-            logger.error(
-                "storage write %s failed after %d attempts: %s",
-                what,
-                attempt + 1,
-                exc,
-                extra={"session_id": _sid(session)},
-            )
-            if session is not None:
-                publish.publish_to_chat(
-                    session,
-                    publish.notification_frame(
-                        session_id=session.session_id,
-                        level="error",
-                        content=_("Saving to the database failed; the last change was not kept."),
-                    ),
-                )
-            raise StorageError() from exc
-
-
-def reset_broken_connection() -> None:
-    """G5: after a database error, drop this thread's connection if it is broken (the server
-    restarted, or an operator ended it), so the next query connects again. Engine calls run
-    outside Django's request cycle, which would otherwise do this."""
-    if not connection.in_atomic_block:
-        close_old_connections()
-
-
-def _sid(session: Session | None) -> str | None:
-    return session.session_id if session is not None else None
 
 
 # --- Dialogs ------------------------------------------------------------------------------
@@ -191,10 +133,10 @@ def session_create(
 
 
 def _announce_created(session: Session, welcome: Message) -> None:
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     publish.publish_to_chat(
         session,
-        publish.history_delta_frame(
+        events.history_delta_frame(
             session_id=session.session_id, turn_id=None, base_revision=0, messages=[welcome]
         ),
     )
@@ -214,7 +156,7 @@ def session_rename(*, session: Session, title: str, source: str = TitleSource.US
 
     storage_retry(write, what="session_rename", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -234,7 +176,7 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
     if not storage_retry(write, what="title_commit"):
         return None
     session = Session.objects.get(pk=session_pk)
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -251,7 +193,7 @@ def title_reset(*, session: Session) -> Session:
 
     storage_retry(write, what="title_reset", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.session_updated_frame(session=session))
+    publish.publish_to_chat(session, events.session_updated_frame(session=session))
     return session
 
 
@@ -283,7 +225,7 @@ def session_soft_delete(*, session: Session) -> Session:
     for turn in dropped:
         publish.publish_to_chat(
             session,
-            publish.turn_updated_frame(
+            events.turn_updated_frame(
                 session_id=session.session_id,
                 turn_id=str(turn.pk),
                 status=TurnStatus.CANCELLED,
@@ -291,7 +233,7 @@ def session_soft_delete(*, session: Session) -> Session:
                 client_msg_id=turn.client_msg_id,
             ),
         )
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     return session
 
 
@@ -320,7 +262,7 @@ def session_restore(*, session: Session) -> Session:
 
     storage_retry(write, what="session_restore", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, publish.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
     return session
 
 
@@ -470,7 +412,7 @@ class StaleSession(Exception):
 def _announce_appended(appended: Appended, turn: Turn | None) -> None:
     publish.publish_to_chat(
         appended.session,
-        publish.history_delta_frame(
+        events.history_delta_frame(
             session_id=appended.session.session_id,
             turn_id=str(turn.pk) if turn else None,
             base_revision=appended.base_revision,

@@ -26,14 +26,15 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
+from django.utils.translation import gettext as _
 
-from chatcore.engine import clientstate, publish
+from chatcore.common import events
+from chatcore.common.errors import NotFound
+from chatcore.engine import clientstate
 from chatcore.engine.engine import Ack, Engine
-from chatcore.engine.errors import NotFound
 
 from . import logins, selectors
 from .connection import ChannelConnection
-from .frames_out import login_ended_frame
 from .models import Session
 
 logger = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ async def _turn_frames(
             continue
         if message.get("type") == logins.LOGIN_ENDED:
             # F8: the login ended; the turn runs on (C3), this stream does not.
-            yield login_ended_frame()
+            yield events.login_ended_frame(_("Your login ended: sign in again."))
             return
         frame = message.get("frame")
         if not isinstance(frame, dict) or frame.get("session_id") != session_id:
@@ -253,7 +254,7 @@ def _stored_terminal(session: Session, turn_id: str) -> dict[str, Any] | None:
     error = None
     if turn.error_kind:
         error = {"kind": turn.error_kind, "message": turn.error_message}
-    return publish.turn_updated_frame(
+    return events.turn_updated_frame(
         session_id=session.session_id,
         turn_id=turn_id,
         status=turn.status,

@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
     time_limit=90,
 )
 def generate_title(session_pk: str) -> str | None:
-    from chatcore.engine import background
+    from chatcore.engine import jobs
 
-    return asyncio.run(background.generate_title(session_pk=session_pk))
+    return asyncio.run(jobs.generate_title(session_pk=session_pk))
 
 
 @shared_task(
@@ -36,9 +36,9 @@ def generate_title(session_pk: str) -> str | None:
     time_limit=120,
 )
 def compact_session(session_pk: str, manual: bool = False) -> int | None:
-    from chatcore.engine import background
+    from chatcore.engine import jobs
 
-    return asyncio.run(background.compact_session(session_pk=session_pk, manual=manual))
+    return asyncio.run(jobs.compact_session(session_pk=session_pk, manual=manual))
 
 
 @shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
@@ -57,7 +57,7 @@ def evict_idle_session_states() -> None:
     from asgiref.sync import async_to_sync
     from channels.layers import get_channel_layer
 
-    from chatcore.engine import publish
+    from chatcore.common import publish
 
     layer = get_channel_layer()
     if layer is not None:

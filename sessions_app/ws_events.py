@@ -21,10 +21,10 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.contrib.auth.models import User
 
-from chatcore.engine import publish
+from chatcore.common import publish
+from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
 from chatcore.engine.engine import Engine
-from chatcore.engine.ids import FIRST_PARTY_CHANNELS
 
 from . import logins, selectors
 from .connection import ChannelConnection

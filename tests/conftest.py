@@ -259,3 +259,31 @@ async def api(engine: Any, user: Any) -> Any:
 # --- Telegram: a fake Bot API server and bots on the real webhook route ---------------------
 
 from tests.telegram_helpers import bot, bot_with, fake_telegram  # noqa: E402, F401
+
+# Storage tests (test_storage*.py): fast, recorded retries of database writes (A4).
+
+
+@pytest.fixture
+def fast_retries(settings: Any) -> list[float]:
+    """Retry delays of 1, 2, 3 ms; returns the list of sleeps the retry loop made."""
+    chat = dict(settings.CHAT)
+    chat["STORAGE_RETRY_DELAYS_MS"] = [1, 2, 3]
+    settings.CHAT = chat
+    return []
+
+
+@pytest.fixture
+def sleeps(fast_retries: list[float], monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record (and still perform) the sleeps between storage attempts."""
+    import time
+
+    real_sleep = time.sleep
+
+    def recording_sleep(seconds: float) -> None:
+        fast_retries.append(seconds)
+        real_sleep(seconds)
+
+    from sessions_app import storage
+
+    monkeypatch.setattr(storage.time, "sleep", recording_sleep)
+    return fast_retries

@@ -6,7 +6,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 
-from chatcore.engine import publish
+from chatcore.common import publish
 from chatcore.engine.engine import Engine, Inbound
 from sessions_app import services
 from sessions_app.models import Message, Session, Turn

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 
-from chatcore.engine import background
+from chatcore.engine import jobs
 from sessions_app import services
 from sessions_app.models import Compaction, Message, Session
 from tests.engine_helpers import chat_group_of, make_dialog, send
@@ -225,8 +225,8 @@ async def test_title_job_is_idempotent(mode, model, make_engine, user):
         await until(lambda: result.id and len(model.title_requests) >= 1)
         await asyncio.sleep(1)
     else:
-        await background.generate_title(session_pk=session.pk)
-        await background.generate_title(session_pk=session.pk)
+        await jobs.generate_title(session_pk=session.pk)
+        await jobs.generate_title(session_pk=session.pk)
     assert len(model.title_requests) == 1
     assert await title_of(session) == ("Kyoto trip plans", "auto")
 
@@ -245,7 +245,9 @@ async def test_compaction_summary_feeds_the_next_request_and_keeps_messages(
     before = await sync_to_async(
         lambda: list(Message.objects.filter(session_id=session.pk).values_list("seq", "content"))
     )()
-    await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
+    await sync_to_async(engine.scheduler.schedule)(
+        "compact_session", session_pk=session.pk, manual=True
+    )
     frames = await rec.until(
         lambda f: f["type"] == "session_updated" and "compacted_through" in f, timeout=30
     )
@@ -277,7 +279,9 @@ async def test_compaction_is_skipped_when_the_dialog_changed(
     session = await make_dialog(user, "long")
     rec = await recorder(chat_group_of(session))
     await chat(engine, session, rec, *[f"m{i}" for i in range(5)])
-    await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
+    await sync_to_async(engine.scheduler.schedule)(
+        "compact_session", session_pk=session.pk, manual=True
+    )
     await until(lambda: bool(model.summary_requests))
     await sync_to_async(services.messages_clear)(session=session)
     gate.set()

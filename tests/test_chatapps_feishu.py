@@ -249,8 +249,8 @@ async def test_an_event_whose_turn_could_not_be_stored_is_handled_on_redelivery(
     app_with: Any, fake_model
 ) -> None:
     # covers: D5, C2, A4 (exactly once: the event is marked handled with its turn)
+    from tests.storage_helpers import FailStatements
     from tests.test_chatapps_telegram import _with_failing
-    from tests.test_storage import FailStatements
 
     app = await app_with(STORAGE_RETRY_DELAYS_MS=[1])
     event = app.event("keep me")

@@ -95,7 +95,7 @@ async def test_an_update_whose_turn_could_not_be_stored_is_handled_on_redelivery
     bot_with: Any, fake_model
 ) -> None:
     # covers: D5, C2, A4 (exactly once: the update is marked handled with its turn, not before)
-    from tests.test_storage import FailStatements
+    from tests.storage_helpers import FailStatements
 
     bot = await bot_with(STORAGE_RETRY_DELAYS_MS=[1, 2])
     update = bot.fake.update("do not lose me")
@@ -145,7 +145,7 @@ async def test_polling_fetches_an_update_again_when_it_could_not_be_stored(
     bot_with: Any, fake_model
 ) -> None:
     # covers: D5, PROTOCOL "Chat apps" (telegram_poll confirms only what was stored)
-    from tests.test_storage import FailStatements
+    from tests.storage_helpers import FailStatements
 
     bot = await bot_with(STORAGE_RETRY_DELAYS_MS=[1])
     update = bot.fake.update("polled while the disk hiccups")

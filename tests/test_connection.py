@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
-from chatcore.engine.errors import ShuttingDown
+from chatcore.common.errors import ShuttingDown
 from sessions_app.connection import ChannelConnection
 from sessions_app.models import Message, Session, StagedInput
 from tests.api_helpers import read_stream, stream_post, wait_turn_row

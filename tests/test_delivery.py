@@ -3,6 +3,7 @@ scripted test sink: the five cases of the design notes plus target-not-found and
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +14,7 @@ from django.conf import settings
 from django.db import OperationalError, connection
 from django.test import override_settings
 
-from chatcore.engine import publish
+from chatcore.common import publish
 from chatcore.engine.delivery import DeliveryError, TargetNotFound, Terminal
 from sessions_app import services
 from tests.engine_helpers import chat_group_of, send
@@ -32,6 +33,8 @@ class SinkScript:
     updates: list[str] = field(default_factory=list)
     finishes: list[Terminal] = field(default_factory=list)
     plain: list[str] = field(default_factory=list)
+    finish_gate: asyncio.Event | None = None  # finish waits for it (a stuck platform)
+    update_gate: asyncio.Event | None = None  # update waits for it (a stuck platform)
 
 
 SCRIPT = SinkScript()
@@ -45,9 +48,13 @@ class ScriptedSink:
         return {"message_id": "m-1"}
 
     async def update(self, handle: Any, text: str) -> None:
+        if SCRIPT.update_gate is not None:
+            await SCRIPT.update_gate.wait()
         SCRIPT.updates.append(text)
 
     async def finish(self, handle: Any, terminal: Terminal) -> None:
+        if SCRIPT.finish_gate is not None:
+            await SCRIPT.finish_gate.wait()
         SCRIPT.finishes.append(terminal)
         if SCRIPT.finish_failures == -1 or len(SCRIPT.finishes) <= SCRIPT.finish_failures:
             raise SCRIPT.finish_error("edit failed")
@@ -115,6 +122,55 @@ async def test_transient_finish_failure_then_success_sends_no_fallback(
     await run_one(make_engine, fake_model, recorder, user, Reply(text="the answer"))
     assert len(sink.finishes) == 2 and sink.plain == []
     assert sink.finishes[-1] == Terminal(status="completed", text="the answer")
+
+
+async def test_a_stuck_sink_does_not_hold_up_the_next_turn(
+    sink, make_engine, fake_model, recorder, user
+):
+    # covers: D4 (issue 12): the worker does not wait for a sink's terminal; the dialog's next
+    # turn runs and ends while the first terminal is still on its way, and the terminals
+    # still reach the platform once each, in the order of the turns.
+    sink.finish_gate = asyncio.Event()
+    engine = await make_engine()
+    session = await platform_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="first answer"), Reply(text="second answer"))
+    a = await send(engine, session, "one")
+    b = await send(engine, session, "two")
+    done = await terminals(rec, [a.turn_id, b.turn_id])
+    assert done[a.turn_id]["status"] == done[b.turn_id]["status"] == "completed"
+    assert sink.finishes == []
+    sink.finish_gate.set()
+    await engine.wait_idle()
+    assert [t.text for t in sink.finishes] == ["first answer", "second answer"]
+    assert sink.plain == []
+
+
+async def test_a_stuck_sink_update_does_not_hold_up_the_snapshots(
+    sink, make_engine, fake_model, recorder, user
+):
+    # covers: D1, D4 (issue 12): the sink's progress runs in its own task; web clients of
+    # the dialog keep getting the answer while the platform's edit hangs.
+    sink.update_gate = asyncio.Event()
+    model_gate = threading.Event()
+    with override_settings(CHAT={**settings.CHAT, "SINK_TIMEOUT_SECONDS": 120}):
+        engine = await make_engine()
+    session = await platform_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    snaps = await recorder(publish.session_group(session.pk))
+    text = "one two three four five six seven eight nine ten"
+    fake_model.script(Reply(text=text, chunk=3, delay=0.05, gate=model_gate))
+    ack = await send(engine, session, "count")
+    try:
+        assert await streamed(snaps, "nine ten", timeout=20) == text
+    finally:
+        model_gate.set()
+        sink.update_gate.set()
+    done = await terminals(rec, [ack.turn_id])
+    assert done[ack.turn_id]["status"] == "completed"
+    await engine.wait_idle()
+    assert sink.finishes == [Terminal(status="completed", text=text)]
+    assert sink.updates and sink.updates[-1] in text
 
 
 async def test_target_not_found_is_never_success(sink, make_engine, fake_model, recorder, user):

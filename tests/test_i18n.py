@@ -16,9 +16,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import translation
 
-from chatcore.engine import errors
+from chatcore.common import errors
+from chatcore.common.errors import QueueFull, UnknownCommand
 from chatcore.engine.commands import REGISTRY, CommandContext, run_command
-from chatcore.engine.errors import QueueFull, UnknownCommand
 from sessions_app.web import js_strings
 
 pytestmark = pytest.mark.django_db

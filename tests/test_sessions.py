@@ -10,7 +10,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.utils import timezone
 
-from chatcore.engine.errors import BadRequest, NotFound
+from chatcore.common.errors import BadRequest, NotFound
 from chatcore.engine.sessions import dialog_after_delete, resolve_dialog
 from sessions_app import selectors, services
 from sessions_app.models import Message, MessageKind, Session, Turn

@@ -12,9 +12,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
 
-from chatcore.engine import publish
+from chatcore.common import publish
+from chatcore.common.errors import BadRequest, NotFound, UnknownCommand
 from chatcore.engine.commands import REGISTRY, CommandContext, CommandResult, run_command
-from chatcore.engine.errors import BadRequest, NotFound, UnknownCommand
 from sessions_app import selectors, services
 from sessions_app.models import Message, MessageKind, Session, TitleSource
 

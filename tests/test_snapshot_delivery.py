@@ -13,7 +13,7 @@ from channels.layers import InMemoryChannelLayer
 from channels_redis.pubsub import RedisPubSubChannelLayer
 from django.test import override_settings
 
-from chatcore.engine import publish
+from chatcore.common import publish
 from tests.engine_helpers import chat_group_of, history, make_dialog, send
 from tests.fakemodel import Reply
 

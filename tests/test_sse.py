@@ -218,7 +218,7 @@ async def test_sse_ends_with_the_stored_terminal_when_the_layer_loses_it(
     api: Api, fake_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # covers: C2, E3: every accepted send ends with one terminal, on the stream too.
-    from chatcore.engine import publish
+    from chatcore.common import publish
     from sessions_app import sse as sse_module
 
     monkeypatch.setattr(sse_module, "SSE_KEEPALIVE_SECONDS", 0.05)

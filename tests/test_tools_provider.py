@@ -8,7 +8,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.test import override_settings
 
-from chatcore.engine.provider import DemoProvider, classify_http_error
+from chatcore.engine.demo_provider import DemoProvider
+from chatcore.engine.provider_errors import classify_http_error
 from chatcore.engine.tools import Tool, ToolContext, current_time, registry_from_settings
 from sessions_app.models import Turn
 from tests.engine_helpers import chat_group_of, history, make_dialog, send

@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
-from chatcore.engine import publish
+from chatcore.common import publish
 from sessions_app import services
 from sessions_app.models import Message, Session
 from tests.engine_helpers import make_dialog

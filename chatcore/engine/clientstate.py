@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from channels.layers import get_channel_layer
 
+from chatcore.common import events, publish
 from sessions_app import selectors
 from sessions_app.models import Session, Turn, TurnStatus
 
-from . import publish
 from .turns.outcome import present_notice
 
 if TYPE_CHECKING:
@@ -33,19 +33,6 @@ def snapshot_gaps() -> int:
     return _snapshot_gaps
 
 
-def session_item(session: Session, *, read_only: bool = False) -> dict[str, Any]:
-    return {
-        "session_id": session.session_id,
-        "dialog_id": session.dialog_id,
-        "title": session.title,
-        "last_active_at": session.last_active_at.isoformat(),
-        "message_count": session.message_count,
-        "channel": session.channel,
-        "chat_id": session.chat_id,
-        "read_only": read_only,
-    }
-
-
 def sessions_frame(
     *,
     owner_id: int,
@@ -59,22 +46,17 @@ def sessions_frame(
     `linked`, then the chat-app dialogs linked to this user (A1), each with its `channel`,
     `chat_id` and whether it is `read_only` for them."""
     items = [
-        session_item(s)
+        events.session_item(s)
         for s in selectors.dialog_list_for_chat(
             owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
         )
     ]
     if linked:
         items += [
-            session_item(s, read_only=read_only)
+            events.session_item(s, read_only=read_only)
             for s, read_only in selectors.linked_dialogs_for_user(user_id=owner_id, limit=limit)
         ]
-    return {
-        "type": "sessions",
-        "current": current.dialog_id if current is not None else None,
-        "current_session_id": current.session_id if current is not None else None,
-        "items": items,
-    }
+    return events.sessions_frame(current=current, items=items)
 
 
 def active_turn(session: Session, engine: Engine | None) -> dict[str, Any] | None:
@@ -87,38 +69,24 @@ def active_turn(session: Session, engine: Engine | None) -> dict[str, Any] | Non
         local = engine.local.get(str(running.pk))
         if local is not None:
             snap = local.snapshot
-            return {
-                "type": "turn_snapshot",
-                "session_id": session.session_id,
-                "turn_id": str(running.pk),
-                "status": "running",
-                "text_offset": 0,
-                "text": snap.text,
-                "tools": snap.tools_dicts(),
-                "frame": local.frame,
-            }
-    return {
-        "type": "turn_snapshot",
-        "session_id": session.session_id,
-        "turn_id": str(running.pk),
-        "status": "running",
-        "text_offset": 0,
-        "text": running.partial_text,
-        "tools": [],
-        "frame": 0,
-    }
+            return events.turn_snapshot_frame(
+                session_id=session.session_id,
+                turn_id=str(running.pk),
+                text=snap.text,
+                tools=snap.tools_dicts(),
+                frame=local.frame,
+            )
+    return events.turn_snapshot_frame(
+        session_id=session.session_id,
+        turn_id=str(running.pk),
+        text=running.partial_text,
+        tools=[],
+        frame=0,
+    )
 
 
 def queue_items(session: Session) -> list[dict[str, Any]]:
-    return [
-        {
-            "turn_id": str(t.pk),
-            "mode": t.mode,
-            "client_msg_id": t.client_msg_id or None,
-            "preview": t.content[:80],
-        }
-        for t in selectors.turn_queue(session_pk=session.pk)
-    ]
+    return [events.queue_item(t) for t in selectors.turn_queue(session_pk=session.pk)]
 
 
 def session_history_frame(
@@ -134,17 +102,13 @@ def session_history_frame(
     messages, has_more = selectors.messages_page(
         session_pk=session.pk, before_seq=before_seq, limit=limit
     )
-    return {
-        "type": "session_history",
-        "session_id": fresh.session_id,
-        "dialog_id": fresh.dialog_id,
-        "title": fresh.title,
-        "history_revision": fresh.last_seq,
-        "messages": [publish.message_frame(m) for m in messages],
-        "has_more": has_more,
-        "active_turn": active_turn(fresh, engine),
-        "queue": queue_items(fresh),
-    }
+    return events.session_history_frame(
+        session=fresh,
+        messages=messages,
+        has_more=has_more,
+        active_turn=active_turn(fresh, engine),
+        queue=queue_items(fresh),
+    )
 
 
 def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
@@ -185,7 +149,7 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "error": error,
         "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
-        "messages": [publish.message_frame(m) for m in turn.messages.order_by("seq")],
+        "messages": [events.message_frame(m) for m in turn.messages.order_by("seq")],
     }
 
 

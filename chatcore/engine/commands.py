@@ -17,13 +17,13 @@ from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from chatcore.common.errors import BadRequest, UnknownCommand
+from chatcore.common.ids import validate_part
 from sessions_app import selectors, services
 from sessions_app.models import Session
 
 from . import limits
 from .dialogs import delete_dialog
-from .errors import BadRequest, UnknownCommand
-from .ids import validate_part
 from .sessions import dialog_after_delete
 
 if TYPE_CHECKING:
@@ -257,9 +257,14 @@ async def _stop(ctx: CommandContext, args: str) -> CommandResult:
 )
 async def _compact(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
-    from . import background
+    if ctx.engine is not None:
+        await sync_to_async(ctx.engine.scheduler.schedule)(
+            "compact_session", session_pk=session.pk, manual=True
+        )
+    else:
+        from . import background
 
-    await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
+        await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
     return CommandResult("compact", _("Compaction started; you will be told when it is done."))
 
 

@@ -11,7 +11,10 @@ with the terminal. The `DeliveryCoordinator` makes that observable and bounded:
 - a cancelled or failed turn never re-sends an answer body: only a short partial/failure note,
   and only when a partial exists and the sink failed;
 - a persistence failure never sends the text from before the failure as a completed answer;
-- cancel and shutdown never produce two terminals: `finish` runs once per handle.
+- cancel and shutdown never produce two terminals: `finish` runs once per handle;
+- terminals go out off the turn's path (`finish_later`): the worker takes the dialog's next
+  turn while a slow or broken sink is still being retried, and the terminals of one chat
+  still go out in the order of its turns.
 
 Sinks are configured per channel in `CHAT["SINKS"]` (`{"channel": "dotted.path.Factory"}`).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any, Protocol
@@ -91,6 +95,9 @@ class DeliveryHandle:
     last_text: str = ""
     update_failures: int = 0
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Progress waiting for the sink (latest wins) and the task that sends it (`push`).
+    _latest: str | None = None
+    _pump: asyncio.Task[Any] | None = None
 
     async def update(self, text: str) -> None:
         """Latest-wins progress; a failing progress update is logged, never fatal."""
@@ -105,11 +112,35 @@ class DeliveryHandle:
             self.update_failures += 1
             logger.warning("sink update failed: %s", type(exc).__name__)
 
+    def push(
+        self, text: str, *, spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]]
+    ) -> None:
+        """Latest-wins progress off the caller's path: a slow sink never holds up the turn's
+        snapshots; at most one update runs at a time, the newest text goes next."""
+        if self.finished or self.sink is None:
+            return
+        self._latest = text
+        if self._pump is not None and not self._pump.done():
+            return
+        try:
+            self._pump = spawn(f"sink-update:{self.target.get('turn_id', '')}", self._drain())
+        except Exception:
+            # Shutdown began: progress is dropped, the terminal still goes out.
+            self._pump = None
+
+    async def _drain(self) -> None:
+        while self._latest is not None and not self.finished:
+            text, self._latest = self._latest, None
+            await self.update(text)
+
     async def finish(self, terminal: Terminal) -> str:
-        """Deliver the terminal exactly once. Returns how: "sink", "plain" or "none"."""
+        """Deliver the terminal exactly once, after the progress already pushed. Returns
+        how: "sink", "plain" or "none"."""
         async with self._lock:
             if self.finished:
                 return "none"
+            if self._pump is not None and not self._pump.done():
+                await asyncio.wait({self._pump})
             self.finished = True
             return await self.coordinator._finish(self, terminal)
 
@@ -119,6 +150,8 @@ class DeliveryCoordinator:
         self.retries = retries
         self.backoff = backoff
         self.timeout = timeout
+        # The last pending terminal of each chat: the next one of that chat waits for it.
+        self._pending: dict[str, asyncio.Task[Any]] = {}
 
     async def start(self, sink: ChannelSink, target: dict[str, Any]) -> DeliveryHandle:
         """Open the streaming message. A failed open is recorded on the handle, whose terminal
@@ -132,6 +165,40 @@ class DeliveryCoordinator:
                 "sink open failed, the terminal will be a plain message: %s", type(exc).__name__
             )
         return handle
+
+    def finish_later(
+        self,
+        handle: DeliveryHandle,
+        terminal: Terminal,
+        *,
+        spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+    ) -> bool:
+        """Deliver the terminal as a task of `spawn` (the engine's supervisor, so shutdown
+        gives it the grace period), after the chat's previous terminal. False when `spawn`
+        refuses (shutdown began): the caller then finishes in place."""
+        key = str(handle.target.get("chat_id", ""))
+        previous = self._pending.get(key)
+
+        async def deliver() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.wait({previous})
+            await handle.finish(terminal)
+
+        try:
+            task = spawn(f"delivery:{handle.target.get('turn_id', '')}", deliver())
+        except Exception:
+            return False
+        self._pending[key] = task
+        task.add_done_callback(lambda done: self._forget(key, done))
+        return True
+
+    def pending(self) -> list[asyncio.Task[Any]]:
+        """Terminals still on their way to a sink."""
+        return [t for t in self._pending.values() if not t.done()]
+
+    def _forget(self, key: str, task: asyncio.Task[Any]) -> None:
+        if self._pending.get(key) is task:
+            del self._pending[key]
 
     async def _finish(self, handle: DeliveryHandle, terminal: Terminal) -> str:
         assert handle.sink is not None

@@ -14,10 +14,9 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
+from chatcore.common import publish
 from sessions_app import selectors, services
 from sessions_app.models import Session
-
-from . import publish
 
 if TYPE_CHECKING:
     from .engine import Engine

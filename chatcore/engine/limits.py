@@ -32,11 +32,11 @@ from django.db import connection
 from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
+from chatcore.common.errors import RateLimited
+from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
 
-from .errors import RateLimited
-from .ids import FIRST_PARTY_CHANNELS
-from .provider import ChatProvider, Completion, ProviderEvent
+from .provider_types import ChatProvider, Completion, ProviderEvent
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,8 @@ import logging
 from django.conf import settings
 from django.utils.module_loading import import_string
 
-from . import publish
+from chatcore.common import publish
+
 from .engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ async def get_engine() -> Engine:
     assert _engine is not None
     if _start_task is not None and not _start_task.done():
         await _start_task
+    return _engine
+
+
+def current_engine() -> Engine | None:
+    """This process's engine when one was created here, else None (no start)."""
     return _engine
 
 

@@ -22,11 +22,10 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import DatabaseError
 
+from chatcore.common.errors import NotFound
+from chatcore.common.ids import validate_part
 from sessions_app import selectors, services
 from sessions_app.models import Message, Session
-
-from .errors import NotFound
-from .ids import validate_part
 
 logger = logging.getLogger(__name__)
 

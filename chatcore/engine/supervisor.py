@@ -8,7 +8,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from .errors import ShuttingDown
+from chatcore.common.errors import ShuttingDown
 
 logger = logging.getLogger(__name__)
 

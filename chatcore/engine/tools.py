@@ -166,12 +166,12 @@ def remember(ctx: ToolContext, note: str) -> str:
     Args:
         note: the fact to remember, in one sentence
     """
-    from sessions_app.models import MemoryNote
+    from sessions_app import turn_services
 
     note = note.strip()[:2000]
     if not note:
         return "error: empty note"
-    MemoryNote.objects.create(owner_id=ctx.owner_id, content=note)
+    turn_services.memory_note_add(owner_id=ctx.owner_id, content=note)
     return "saved"
 
 
@@ -196,9 +196,9 @@ def plan_update(ctx: ToolContext, plan: str) -> str:
     Args:
         plan: the full new plan text; empty clears it
     """
-    from sessions_app.models import Session
+    from sessions_app import turn_services
 
-    Session.objects.filter(pk=ctx.session_pk).update(plan=plan.strip()[:8000])
+    turn_services.session_plan_set(session_pk=ctx.session_pk, plan=plan.strip()[:8000])
     return "plan updated"
 
 

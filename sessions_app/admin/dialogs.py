@@ -27,8 +27,8 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
-from chatcore.engine.errors import ChatError
 
 from .. import services
 from ..models import Message, Session, TitleSource, Turn

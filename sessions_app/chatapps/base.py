@@ -30,10 +30,10 @@ from django.db import DatabaseError
 from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
+from chatcore.common.errors import ChatError, InternalError, StorageError
 from chatcore.engine import commands
 from chatcore.engine.delivery import DeliveryError, Terminal, fallback_text
 from chatcore.engine.engine import Engine, Inbound
-from chatcore.engine.errors import ChatError, InternalError, StorageError
 
 from ..connection import run_command
 from . import store

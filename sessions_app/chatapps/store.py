@@ -19,8 +19,8 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from chatcore.engine.errors import NotFound
-from chatcore.engine.ids import validate_part
+from chatcore.common.errors import NotFound
+from chatcore.common.ids import validate_part
 from chatcore.engine.sessions import resolve_dialog
 from sessions_app.models import (
     ChannelAccount,

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.utils import timezone
 
-from sessions_app import services
+from chatcore.common.errors import StorageError
+from sessions_app import services, storage, turn_services
 from sessions_app.models import (
     MessageKind,
     MessageStatus,
@@ -25,7 +25,6 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from ..errors import StorageError
 from ..lease import Lease
 from ..sessions import SessionStates
 from .outcome import (
@@ -68,7 +67,7 @@ def _new(p: PendingMessage) -> services.NewMessage:
 
 
 def _finish_turn(turn_pk: Any, **fields: Any) -> None:
-    Turn.objects.filter(pk=turn_pk).update(finished_at=timezone.now(), partial_text="", **fields)
+    turn_services.turn_finish(turn_pk=turn_pk, **fields)
 
 
 def _finish_turn_fenced(turn_pk: Any, fence: Lease | None, **fields: Any) -> None:
@@ -82,7 +81,7 @@ def _finish_turn_durably(
     turn_pk: Any, session: Session | None, fence: Lease | None, **fields: Any
 ) -> None:
     try:
-        services.storage_retry(
+        storage.storage_retry(
             lambda: _finish_turn_fenced(turn_pk, fence, **fields),
             what="turn_finish",
             session=session,
@@ -218,9 +217,7 @@ def record_turn_start(
         )
 
     def mark(session: Session) -> None:
-        StagedInput.objects.filter(pk__in=[i.pk for i in leftovers]).update(
-            status=StagedInput.Status.RECORDED, recorded_in=turn
-        )
+        turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
 
     if not new:
         with transaction.atomic():
@@ -252,9 +249,7 @@ def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessag
         )
         if not items:
             return []
-        StagedInput.objects.filter(pk__in=[i.pk for i in items]).update(
-            status=StagedInput.Status.RECORDED, recorded_in=turn
-        )
+        turn_services.staged_inputs_record(pks=[i.pk for i in items], turn=turn)
     return [
         PendingMessage(
             role=Role.USER,

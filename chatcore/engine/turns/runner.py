@@ -18,14 +18,8 @@ from django.conf import settings
 
 from sessions_app.models import MessageKind, MessageStatus
 
-from ..provider import (
-    ChatProvider,
-    Completion,
-    ProviderError,
-    TextDelta,
-    answer_token_limit,
-    merge_usage,
-)
+from ..provider_errors import answer_token_limit, merge_usage
+from ..provider_types import ChatProvider, Completion, ProviderError, TextDelta
 from ..tools import ToolContext, ToolRegistry
 from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
 from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome

@@ -16,10 +16,10 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
+from chatcore.common.errors import ChatError
+from chatcore.common.ids import owner_chat_id, validate_part
 from chatcore.engine import commands, runtime
 from chatcore.engine.engine import Engine
-from chatcore.engine.errors import ChatError
-from chatcore.engine.ids import owner_chat_id, validate_part
 from sessions_app.connection import ChannelConnection
 from sessions_app.models import Session
 

@@ -1,0 +1,120 @@
+"""The only place that sends events to clients (STYLE 3, 4).
+
+It owns the group names and the send functions; the frame shapes are in `events`. Two groups
+matter:
+- the chat group: every connection of a chat hears history deltas, terminals,
+  `session_updated`, `sessions_changed` and notifications of every dialog (D2, D3);
+- the session group: connections whose current dialog it is hear its snapshots (D1).
+Events travel on the channel layer as `{"type": "chat.event", "frame": {...}}`; consumers and
+SSE streams relay `frame` as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+
+logger = logging.getLogger(__name__)
+
+EVENT_TYPE = "chat.event"
+
+# A task runner: (name, coroutine) -> a task owned by a supervisor (the engine's).
+Spawn = Callable[[str, Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+_loop_lock = threading.Lock()
+_engine_loop: asyncio.AbstractEventLoop | None = None
+_spawn: Spawn | None = None
+
+
+def chat_group(channel: str, chat_id: str) -> str:
+    digest = hashlib.sha1(f"{channel}:{chat_id}".encode(), usedforsecurity=False).hexdigest()
+    return f"chat.{digest[:32]}"
+
+
+def session_group(session_pk: str) -> str:
+    return f"sess.{session_pk}"
+
+
+def engine_control_group() -> str:
+    return "engine.control"
+
+
+def bind_loop(loop: asyncio.AbstractEventLoop | None, spawn: Spawn | None = None) -> None:
+    """Tell sync callers which loop owns the channel layer in this process, and who owns the
+    tasks a publish from sync code on that loop starts (the engine's supervisor, F1)."""
+    global _engine_loop, _spawn
+    with _loop_lock:
+        # Binding the same loop again without a runner keeps the engine's runner.
+        if spawn is not None or loop is not _engine_loop:
+            _spawn = spawn
+        _engine_loop = loop
+
+
+# --- Sending ------------------------------------------------------------------------------
+
+
+async def apublish(group: str, frame: dict[str, Any]) -> None:
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        await layer.group_send(group, {"type": EVENT_TYPE, "frame": frame})
+    except Exception:
+        # C3: a failing listener never fails the turn.
+        logger.exception("publish to %s failed", group)
+
+
+def publish(group: str, frame: dict[str, Any]) -> None:
+    """Send from sync code: hand over to the engine loop when there is one, else run here."""
+    loop = _engine_loop
+    if loop is not None and loop.is_running():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            # Sync code on the engine's loop cannot wait: the send runs as a task of the
+            # engine's supervisor, reaped at shutdown, never an unowned one (F1).
+            _spawn_send(loop, group, frame)
+            return
+        future = asyncio.run_coroutine_threadsafe(apublish(group, frame), loop)
+        try:
+            future.result(timeout=5)
+        except Exception:
+            logger.warning("publish to %s timed out", group)
+        return
+    async_to_sync(apublish)(group, frame)
+
+
+def _spawn_send(loop: asyncio.AbstractEventLoop, group: str, frame: dict[str, Any]) -> None:
+    spawn = _spawn
+    if spawn is not None:
+        try:
+            spawn(f"publish:{frame.get('type')}", apublish(group, frame))
+            return
+        except Exception:
+            # The supervisor is closing (shutdown): still send, tracked until done.
+            logger.info("publish during shutdown of the supervisor")
+    task = loop.create_task(apublish(group, frame), name=f"publish:{frame.get('type')}")
+    _unsupervised.add(task)
+    task.add_done_callback(_unsupervised.discard)
+
+
+# Sends started while no supervisor takes tasks (before the engine starts, during its
+# shutdown): strong references until done, so none is collected mid-send.
+_unsupervised: set[asyncio.Task[Any]] = set()
+
+
+def publish_to_chat(session: Any, frame: dict[str, Any]) -> None:
+    publish(chat_group(session.channel, session.chat_id), frame)
+
+
+def publish_to_session(session_pk: str, frame: dict[str, Any]) -> None:
+    publish(session_group(session_pk), frame)

@@ -1,0 +1,463 @@
+"""The durable per-dialog FIFO (C1, C2, C4-C6, C11): every Turn, StagedInput and lease write.
+
+Synchronous, ORM-only functions, called through `sync_to_async` by the engine. Queue changes
+serialise on the dialog's row lock (`lock_live`); writes made while running a dialog's queue
+carry its lease and check its epoch in the same transaction (G2, `lease.Lease.check`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from chatcore.common import events, publish
+from chatcore.common.errors import (
+    NotFound,
+    NothingToContinue,
+    NothingToRetry,
+    Overloaded,
+    QueueFull,
+)
+from sessions_app import services, storage, turn_services
+from sessions_app.models import (
+    Message,
+    MessageKind,
+    MessageStatus,
+    Role,
+    Session,
+    StagedInput,
+    Turn,
+    TurnMode,
+    TurnStatus,
+)
+
+from . import lease, limits
+from .ingress import Ack, Inbound
+from .lease import Lease
+from .sessions import SessionStates
+from .turns.builder import CONTINUE_INSTRUCTION
+from .turns.committer import CommitResult, commit_outcome
+from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
+
+logger = logging.getLogger(__name__)
+
+# `claim_next`: the dialog has queued turns but its owner has no free slot (F7).
+HELD_BACK = object()
+
+
+def lock_live(session_pk: str) -> Session:
+    """Lock a live dialog's row for this transaction (queue changes serialise on it)."""
+    live = (
+        Session.objects.select_for_update().filter(pk=session_pk, deleted_at__isnull=True).first()
+    )
+    if live is None:
+        raise NotFound(_("Dialog not found."))
+    return live
+
+
+def enqueue_locked(
+    session: Session,
+    *,
+    cfg: dict[str, Any],
+    owner_id: int,
+    content: str,
+    client_msg_id: str,
+    source: dict[str, Any],
+    received_at: Any,
+    mode: str = TurnMode.SEND,
+    retry_of: Turn | None = None,
+) -> Turn:
+    """Append a queue item; the caller holds the session row lock in a transaction."""
+    queued = Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED).count()
+    if queued >= cfg["QUEUE_CAPACITY"]:
+        raise QueueFull()
+    if Turn.objects.filter(status=TurnStatus.QUEUED).count() >= cfg["GLOBAL_ADMISSION_BOUND"]:
+        raise Overloaded()
+    Session.objects.filter(pk=session.pk).update(turn_counter=session.turn_counter + 1)
+    session.turn_counter += 1
+    return Turn.objects.create(
+        session_id=session.pk,
+        owner_id=owner_id,
+        number=session.turn_counter,
+        mode=mode,
+        content=content,
+        client_msg_id=client_msg_id,
+        source=source,
+        received_at=received_at,
+        retry_of=retry_of,
+    )
+
+
+def position(turn: Turn) -> int:
+    """How many turns of the dialog are ahead of this one (0 = runs now)."""
+    return (
+        Turn.objects.filter(session_id=turn.session_id)
+        .filter(Q(status=TurnStatus.RUNNING) | Q(status=TurnStatus.QUEUED, number__lt=turn.number))
+        .count()
+    )
+
+
+# --- admission (C1, C2, C4, C5) ------------------------------------------------------------
+
+
+def admit(inbound: Inbound, session: Session, *, cfg: dict[str, Any], states: SessionStates) -> Ack:
+    """Store one accepted send/steer/inject before it is acknowledged (C2): a queued turn, a
+    staged input for the running turn, or an idle inject appended to history."""
+
+    def write() -> tuple[Ack, services.Appended | None]:
+        with transaction.atomic():
+            live = lock_live(session.pk)
+            if inbound.accept is not None:
+                inbound.accept()
+            busy = Turn.objects.filter(
+                session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
+            ).exists()
+            if inbound.mode in ("steer", "inject") and busy:
+                # C4/C5: staged durably, recorded at the running turn's next step boundary.
+                StagedInput.objects.create(
+                    session_id=session.pk,
+                    mode=inbound.mode,
+                    content=inbound.content,
+                    client_msg_id=inbound.client_msg_id,
+                    source=inbound.source(),
+                    received_at=inbound.received_at,
+                )
+                running = Turn.objects.filter(
+                    session_id=session.pk, status=TurnStatus.RUNNING
+                ).first()
+                turn_id = str(running.pk) if running else None
+                return Ack(live, turn_id, 0, inbound.mode, inbound.client_msg_id), None
+            if inbound.mode == "inject":
+                # C5: idle inject is appended to history without running the model.
+                appended = services.messages_append(
+                    session_pk=session.pk,
+                    session=live,
+                    messages=[
+                        services.NewMessage(
+                            role=Role.USER,
+                            content=inbound.content,
+                            kind=MessageKind.INJECT,
+                            created_at=inbound.received_at,
+                            source=inbound.source(),
+                        )
+                    ],
+                )
+                return Ack(appended.session, None, 0, "inject", inbound.client_msg_id), appended
+            turn = enqueue_locked(
+                live,
+                cfg=cfg,
+                owner_id=inbound.owner.pk,
+                content=inbound.content,
+                client_msg_id=inbound.client_msg_id,
+                source=inbound.source(),
+                received_at=inbound.received_at,
+            )
+            # An idle steer is a send (C4), acknowledged as such.
+            mode = "send" if inbound.mode == "steer" else inbound.mode
+            return Ack(live, str(turn.pk), position(turn), mode, inbound.client_msg_id), None
+
+    ack, appended = storage.storage_retry(write, what="admit", session=session)
+    if appended is not None:
+        states.apply_appended(appended)
+    return ack
+
+
+# --- stop / retry / continue (C6, E5) ------------------------------------------------------
+
+
+def stop(session: Session) -> tuple[Turn | None, list[Turn]]:
+    """Flag the running turn for cancel, drop unstarted sends and staged steers."""
+
+    def write() -> tuple[Turn | None, list[Turn]]:
+        with transaction.atomic():
+            Session.objects.select_for_update().filter(pk=session.pk).first()
+            now = timezone.now()
+            running = Turn.objects.filter(session_id=session.pk, status=TurnStatus.RUNNING).first()
+            if running is not None:
+                Turn.objects.filter(pk=running.pk).update(cancel_requested=True)
+            dropped = list(Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED))
+            Turn.objects.filter(pk__in=[t.pk for t in dropped]).update(
+                status=TurnStatus.CANCELLED, reason="dropped", finished_at=now
+            )
+            StagedInput.objects.filter(
+                session_id=session.pk,
+                status=StagedInput.Status.STAGED,
+                mode=StagedInput.Mode.STEER,
+            ).update(status=StagedInput.Status.DROPPED)
+            return running, dropped
+
+    return storage.storage_retry(write, what="stop", session=session)
+
+
+def request_cancel(turn_pk: Any) -> None:
+    """C6 fallback: the turn's process sees the flag at its next checkpoint."""
+    Turn.objects.filter(pk=turn_pk).update(cancel_requested=True)
+
+
+def enqueue_retry(
+    session: Session, *, owner_id: int, client_msg_id: str, cfg: dict[str, Any]
+) -> Ack:
+    """C6: re-run the last failed or cancelled turn as a new turn, without adding its user
+    message again (a send dropped before it started never had one, so it gets it)."""
+
+    def write() -> Ack:
+        with transaction.atomic():
+            live = lock_live(session.pk)
+            last = Turn.objects.filter(session_id=session.pk).order_by("-number").first()
+            if last is None or last.status not in (TurnStatus.FAILED, TurnStatus.CANCELLED):
+                raise NothingToRetry()
+            if last.reason == "stale":
+                raise NothingToRetry()
+            started = last.started_at is not None
+            if started:
+                mode = TurnMode.RETRY
+            else:
+                # A dropped continuation is retried as one (it has no user message).
+                mode = TurnMode.CONTINUE if last.source.get("continues") else TurnMode.SEND
+            turn = enqueue_locked(
+                live,
+                cfg=cfg,
+                owner_id=owner_id,
+                content=last.content,
+                client_msg_id=client_msg_id,
+                source=dict(last.source, retry_of=str(last.pk)),
+                received_at=timezone.now() if started else last.received_at,
+                mode=mode,
+                retry_of=last,
+            )
+            return Ack(live, str(turn.pk), position(turn), "retry", client_msg_id)
+
+    return storage.storage_retry(write, what="retry", session=session)
+
+
+def enqueue_continue(
+    session: Session, *, owner_id: int, client_msg_id: str, cfg: dict[str, Any]
+) -> Ack:
+    """E5: a `continue` turn that goes on with the last answer cut at its length limit."""
+
+    def write() -> Ack:
+        with transaction.atomic():
+            live = lock_live(session.pk)
+            cut = continuable_answer(session.pk)
+            if cut is None:
+                raise NothingToContinue()
+            turn = enqueue_locked(
+                live,
+                cfg=cfg,
+                owner_id=owner_id,
+                content="",
+                client_msg_id=client_msg_id,
+                source={"continues": str(cut.pk)},
+                received_at=timezone.now(),
+                mode=TurnMode.CONTINUE,
+            )
+            return Ack(live, str(turn.pk), position(turn), "continue", client_msg_id)
+
+    return storage.storage_retry(write, what="continue", session=session)
+
+
+def continuable_answer(session_pk: str) -> Message | None:
+    """E5: the cut answer a `continue` goes on with: the last turn of the dialog completed
+    with a `truncated` answer and nothing was queued after it."""
+    last = Turn.objects.filter(session_id=session_pk).order_by("-number").first()
+    if last is None or last.status != TurnStatus.COMPLETED or last.reason != Notice.TRUNCATED:
+        return None
+    return (
+        Message.objects.filter(
+            session_id=session_pk,
+            turn=last,
+            role=Role.ASSISTANT,
+            status=MessageStatus.TRUNCATED,
+        )
+        .order_by("-seq")
+        .first()
+    )
+
+
+def continuation(turn: Turn) -> tuple[str | None, list[PendingMessage]]:
+    """The cut message a continue turn (or the retry of one) goes on with, and its model-only
+    instruction; (None, []) for other turns."""
+    continues = turn.source.get("continues") if turn.mode != TurnMode.SEND else None
+    if not continues:
+        return None, []
+    instruction = PendingMessage(role=Role.USER, content=CONTINUE_INSTRUCTION, kind="continue")
+    return str(continues), [instruction]
+
+
+# --- running the queue (C1, C3, C11, F7) ---------------------------------------------------
+
+
+def acquire_lease(session_pk: str, *, owner: str, cfg: dict[str, Any]) -> Lease | None:
+    """Take a free or expired lease with a new epoch. Not re-entrant: two workers of one
+    process never run the same dialog, and a live lease of another process is never stolen
+    (C11)."""
+    return lease.acquire(session_pk, owner=owner, seconds=cfg["LEASE_SECONDS"])
+
+
+def renew_lease(held: Lease) -> bool:
+    """Extend the lease; False when another process took the dialog over (G2)."""
+    return lease.renew(held)
+
+
+def release_lease(held: Lease) -> None:
+    """Give the lease up (only our own epoch: a successor's lease is never cleared)."""
+    lease.release(held)
+
+
+def has_queued(session_pk: str) -> bool:
+    return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
+
+
+def claim_next(session_pk: str, held: Lease, *, cfg: dict[str, Any]) -> Turn | object | None:
+    """The dialog's next queued turn, now running; None when the queue is empty, or
+    `HELD_BACK` when its owner already runs the most turns allowed (F7)."""
+
+    def claim() -> Turn | object | None:
+        with transaction.atomic():
+            held.check()
+            turn = (
+                Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED)
+                .select_related("session", "owner")
+                .order_by("number")
+                .first()
+            )
+            if turn is None:
+                return None
+            limits.lock_owner(turn.owner_id)
+            if not limits.turn_may_start(turn, cfg):
+                return HELD_BACK
+            Turn.objects.filter(pk=turn.pk).update(
+                status=TurnStatus.RUNNING, started_at=timezone.now()
+            )
+            turn.status = TurnStatus.RUNNING
+            return turn
+
+    return storage.storage_retry(claim, what="claim")
+
+
+def recover_interrupted(
+    session_pk: str, held: Lease, *, states: SessionStates, running_here: set[str]
+) -> list[tuple[Turn, CommitResult]]:
+    """C11: a turn still marked running while we hold a fresh lease belonged to a process
+    that died. Close it as failed (`interrupted`), keeping its checkpointed partial."""
+    results = []
+    for turn in Turn.objects.filter(
+        session_id=session_pk, status=TurnStatus.RUNNING
+    ).select_related("session"):
+        if str(turn.pk) in running_here:
+            continue
+        outcome = Failed(FailureKind.INTERRUPTED, detail="process died", partial=turn.partial_text)
+        session = turn.session
+        result = commit_outcome(
+            turn=turn,
+            outcome=outcome,
+            base_generation=session.generation,
+            states=states,
+            fence=held,
+        )
+        logger.warning(
+            "closed an interrupted turn",
+            extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+        )
+        publish.publish_to_chat(
+            session,
+            events.turn_updated_frame(
+                session_id=session.session_id,
+                turn_id=str(turn.pk),
+                status=result.status,
+                reason=result.reason,
+                error=result.error,
+                client_msg_id=turn.client_msg_id,
+            ),
+        )
+        results.append((turn, result))
+    return results
+
+
+def after_turn_staged(
+    turn: Turn, result: CommitResult, fence: Lease, *, states: SessionStates, cfg: dict[str, Any]
+) -> None:
+    """Inputs staged after the last boundary are never lost: injects enter history now;
+    steers after a completed turn become sends (C4: when idle, steer is a send); after a
+    failure steers stay staged for the next send or retry; a stop dropped them."""
+    staged = list(
+        StagedInput.objects.filter(
+            session_id=turn.session_id, status=StagedInput.Status.STAGED
+        ).order_by("received_at")
+    )
+    if not staged:
+        return
+    injects = [s for s in staged if s.mode == StagedInput.Mode.INJECT]
+    if injects and result.reason != "stale":
+        appended = services.messages_append(
+            session_pk=turn.session_id,
+            session=turn.session,
+            messages=[
+                services.NewMessage(
+                    role=Role.USER,
+                    content=i.content,
+                    kind=MessageKind.INJECT,
+                    created_at=i.received_at,
+                    source=dict(i.source),
+                )
+                for i in injects
+            ],
+            extra=lambda _s: turn_services.staged_inputs_record(pks=[i.pk for i in injects]),
+            guard=fence.guard,
+        )
+        states.apply_appended(appended)
+    if result.status == TurnStatus.COMPLETED:
+        with transaction.atomic():
+            fence.check()
+            session = Session.objects.get(pk=turn.session_id)
+            for s in staged:
+                if s.mode != StagedInput.Mode.STEER:
+                    continue
+                enqueue_locked(
+                    session,
+                    cfg=cfg,
+                    owner_id=turn.owner_id,
+                    content=s.content,
+                    client_msg_id=s.client_msg_id,
+                    source=dict(s.source),
+                    received_at=s.received_at,
+                )
+                StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
+
+
+def checkpoint(turn_id: str, text: str | None, held: Lease | None) -> bool:
+    """C11: store the partial text (when it changed) under the lease; True when a stop was
+    requested from elsewhere."""
+    with transaction.atomic():
+        if held is not None:
+            held.check()
+        if text is not None:
+            Turn.objects.filter(pk=turn_id).update(partial_text=text)
+        return bool(Turn.objects.filter(pk=turn_id, cancel_requested=True).exists())
+
+
+def orphaned_sessions(*, scope: Any, cfg: dict[str, Any]) -> list[str]:
+    """Dialogs with work and no live lease (recovery after a crash, C11)."""
+    now = timezone.now()
+    qs = Session.objects.filter(turns__status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)).filter(
+        Q(lease_owner="") | Q(lease_expires_at__lt=now)
+    )
+    if scope is not None:
+        qs = scope(qs)
+    # F7: dialogs of owners at their running-turn cap wait for one of those turns to end.
+    qs = limits.not_held_back(qs, cfg)
+    return list(qs.values_list("pk", flat=True).distinct()[:100])
+
+
+def waiting_dialogs(turn: Turn, *, scope: Any, cfg: dict[str, Any]) -> list[str]:
+    """F7: dialogs of the ended turn's party held back by the cap, oldest first."""
+    pks = limits.waiting_dialogs(turn, cfg)
+    if scope is not None and pks:
+        allowed = set(scope(Session.objects.filter(pk__in=pks)).values_list("pk", flat=True))
+        pks = [pk for pk in pks if pk in allowed]
+    return pks

@@ -1,0 +1,134 @@
+"""A running turn as this process holds it (`LocalTurn`), its snapshots to clients (D1) and
+its checkpoints to the turn record (C11).
+
+Snapshots are coalesced to at most SNAPSHOT_FPS frames a second and carry only the new tail
+of the text, so bytes grow with the answer; checkpoints write the partial text at most every
+CHECKPOINT_SECONDS, never per token, and pick up a stop requested from another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import DatabaseError
+
+from chatcore.common import events, publish
+from sessions_app.models import Session
+
+from . import queue
+from .delivery import DeliveryHandle
+from .lease import Lease, LeaseLost
+from .turns.runner import TurnSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalTurn:
+    turn_id: str
+    session: Session
+    snapshot: TurnSnapshot
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    frame: int = 0
+    published_offset: int = 0
+    published_version: int = 0
+    delivery: DeliveryHandle | None = None
+    ended: bool = False
+    lease: Lease | None = None
+
+    @property
+    def may_speak(self) -> bool:
+        """G2: frames that are not database writes (snapshots) go out only while the lease
+        is confirmed recently enough; a thawed process stays quiet until it knows."""
+        return self.lease is None or self.lease.trusted
+
+
+def snapshot_frame(local: LocalTurn, *, full: bool) -> dict[str, Any]:
+    """A `turn_snapshot` frame: the whole text (`full`, for a client joining mid-turn) or the
+    tail after the last frame sent to the session group."""
+    snap = local.snapshot
+    text = snap.text
+    offset = 0 if full else min(local.published_offset, len(text))
+    local.frame += 1
+    return events.turn_snapshot_frame(
+        session_id=local.session.session_id,
+        turn_id=local.turn_id,
+        text=text[offset:],
+        tools=snap.tools_dicts(),
+        frame=local.frame,
+        text_offset=offset,
+    )
+
+
+async def publish_snapshots(
+    local: LocalTurn,
+    *,
+    fps: int,
+    spawn: Callable[[str, Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+) -> None:
+    """Coalesce to at most `fps` frames a second, each with the new tail of the text; an
+    external sink gets the text through its own task (`DeliveryHandle.push`, D4)."""
+    interval = 1.0 / max(1, fps)
+    snap = local.snapshot
+    while not local.ended:
+        await snap.changed.wait()
+        snap.changed.clear()
+        if local.ended:
+            return
+        if snap.version == local.published_version or not local.may_speak:
+            continue
+        await send_snapshot(local)
+        if local.delivery is not None:
+            local.delivery.push(snap.text, spawn=spawn)
+        await asyncio.sleep(interval)
+
+
+async def send_snapshot(local: LocalTurn) -> None:
+    """Send the tail since the last frame that was sent. It counts as sent only once the
+    layer took it: a publish cancelled at turn end is sent again by the final flush, so the
+    last tokens always reach clients before `turn_updated` (D1)."""
+    version = local.snapshot.version
+    frame = snapshot_frame(local, full=False)
+    await publish.apublish(publish.session_group(local.session.pk), frame)
+    local.published_version = version
+    local.published_offset = frame["text_offset"] + len(frame["text"])
+
+
+async def flush_snapshot(local: LocalTurn) -> None:
+    """One last frame before the terminal when the coalescer held back a change (or its last
+    publish was cancelled before the layer took it)."""
+    if local.snapshot.version != local.published_version and local.may_speak:
+        await send_snapshot(local)
+
+
+async def checkpoint_loop(
+    local: LocalTurn, *, interval: float, reset_db: Callable[[], Awaitable[None]]
+) -> None:
+    """C11: the partial text goes to the turn record at most every `interval` seconds (never
+    to messages, never per token); the same round trip picks up a stop from elsewhere."""
+    written = ""
+    while not local.ended:
+        await asyncio.sleep(interval)
+        if local.ended:
+            return
+        text = local.snapshot.text
+        try:
+            cancel = await sync_to_async(queue.checkpoint)(
+                local.turn_id, None if text == written else text, local.lease
+            )
+        except LeaseLost:
+            logger.error("lost the lease during a turn", extra={"turn_id": local.turn_id})
+            cancel = True
+        except DatabaseError:
+            # G5: try again at the next beat on a fresh connection.
+            logger.warning("checkpoint failed", extra={"turn_id": local.turn_id})
+            await reset_db()
+            continue
+        written = text
+        if cancel:
+            local.cancel.set()

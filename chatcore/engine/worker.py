@@ -1,0 +1,492 @@
+"""The per-dialog workers of one process (C1, C3, C11): take the dialog's lease, claim its
+queued turns one at a time, run each (builder -> runner -> committer) and finish it.
+
+Turns of one dialog never overlap, across processes too: a worker runs only while it holds
+the dialog's lease (`lease.Lease`), renewed every third of its period. Every write of a turn
+checks the lease's epoch in its own transaction, and a lost renewal cancels the turn at once
+(G2). Delivery to an external sink is handed to the sink relay and never awaited here (D4):
+a slow or broken sink does not hold up the dialog's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import DatabaseError
+
+from chatcore.common import events, publish
+from chatcore.common.errors import ShuttingDown
+from sessions_app import services, storage
+from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
+
+from . import jobs, queue, snapshots
+from .delivery import DeliveryCoordinator, Terminal, sink_for_channel
+from .lease import Lease, LeaseLost
+from .provider_types import ChatProvider
+from .scheduler import Scheduler
+from .sessions import SessionStates
+from .snapshots import LocalTurn
+from .supervisor import TaskSupervisor
+from .tools import ToolContext, ToolRegistry
+from .turns.builder import RuntimeInfo, TurnInputBuilder
+from .turns.committer import CommitResult, commit_outcome, record_turn_start, take_staged
+from .turns.outcome import (
+    Cancelled,
+    Completed,
+    Failed,
+    FailureKind,
+    Stale,
+    TurnOutcome,
+    present_failure,
+)
+from .turns.runner import TurnRunner, TurnSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+async def reset_db() -> None:
+    try:
+        await sync_to_async(storage.reset_broken_connection)()
+    except Exception:
+        logger.exception("could not reset the database connection")
+
+
+class Workers:
+    """One worker task per dialog with work in this process; `local` holds the turns they run."""
+
+    def __init__(
+        self,
+        *,
+        process_id: str,
+        cfg: dict[str, Any],
+        supervisor: TaskSupervisor,
+        states: SessionStates,
+        builder: TurnInputBuilder,
+        provider: ChatProvider,
+        tools: ToolRegistry,
+        delivery: DeliveryCoordinator,
+        scheduler: Scheduler,
+        scope: Callable[[Any], Any] | None,
+    ) -> None:
+        self.process_id = process_id
+        self.cfg = cfg
+        self.supervisor = supervisor
+        self.states = states
+        self.builder = builder
+        self.provider = provider
+        self.tools = tools
+        self.delivery = delivery
+        self.scheduler = scheduler
+        self.scope = scope
+        self.local: dict[str, LocalTurn] = {}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._leases: dict[str, Lease] = {}
+
+    @property
+    def closing(self) -> bool:
+        return self.supervisor.closing
+
+    def _acquire(self, session_pk: str) -> Lease | None:
+        return queue.acquire_lease(session_pk, owner=self.process_id, cfg=self.cfg)
+
+    async def kick(self, session_pk: str) -> None:
+        """Make sure someone runs this dialog's queue: this process if it can take the lease;
+        otherwise the lease holder, which re-reads the queue after every turn."""
+        if self.closing:
+            return
+        worker = self.tasks.get(session_pk)
+        if worker is not None and not worker.done():
+            self._wakeups[session_pk].set()
+            return
+        held = await sync_to_async(self._acquire)(session_pk)
+        if held is None:
+            return
+        worker = self.tasks.get(session_pk)
+        if worker is not None and not worker.done():
+            # Another kick of this process won meanwhile; it cannot hold our lease, but be safe.
+            self._wakeups[session_pk].set()
+            return
+        self._wakeups[session_pk] = asyncio.Event()
+        self._leases[session_pk] = held
+        try:
+            self.tasks[session_pk] = self.supervisor.spawn(
+                f"worker:{session_pk}", self._worker(session_pk)
+            )
+        except ShuttingDown:
+            self._leases.pop(session_pk, None)
+            await sync_to_async(queue.release_lease)(held)
+
+    async def _worker(self, session_pk: str) -> None:
+        wake = self._wakeups[session_pk]
+        held = self._leases[session_pk]
+        renew = self.supervisor.spawn(
+            f"lease:{session_pk}", self._renew_loop(session_pk), daemon=True
+        )
+        try:
+            await sync_to_async(queue.recover_interrupted)(
+                session_pk, held, states=self.states, running_here=set(self.local)
+            )
+            while not self.closing:
+                wake.clear()
+                turn = await sync_to_async(queue.claim_next)(session_pk, held, cfg=self.cfg)
+                if isinstance(turn, Turn):
+                    await self._run_turn(turn, held)
+                    await self._start_waiting(turn)
+                    continue
+                # Release, then look once more: an item enqueued meanwhile is either seen
+                # here or its enqueuer's kick finds no worker and takes the lease itself.
+                await sync_to_async(queue.release_lease)(held)
+                if turn is queue.HELD_BACK:
+                    # F7: the owner runs the most turns allowed. The queue waits, leaseless,
+                    # until one of the owner's turns ends (`_start_waiting`, any process) or
+                    # the sweep; a kick that came meanwhile means a slot may be free now.
+                    if wake.is_set():
+                        again = await sync_to_async(self._acquire)(session_pk)
+                        if again is not None:
+                            held = self._leases[session_pk] = again
+                            continue
+                    break
+                if await sync_to_async(queue.has_queued)(session_pk) or wake.is_set():
+                    again = await sync_to_async(self._acquire)(session_pk)
+                    if again is not None:
+                        held = self._leases[session_pk] = again
+                        continue
+                # No await from the last check to the pop below (kick runs only at awaits).
+                break
+        except LeaseLost:
+            # G2: another process took the dialog over; it runs the queue from here on.
+            logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
+        finally:
+            renew.cancel()
+            self.tasks.pop(session_pk, None)
+            self._wakeups.pop(session_pk, None)
+            self._leases.pop(session_pk, None)
+            if not held.released and not held.lost:
+                try:
+                    await asyncio.shield(sync_to_async(queue.release_lease)(held))
+                except Exception:
+                    logger.warning("lease release failed", extra={"session_id": session_pk})
+
+    async def _renew_loop(self, session_pk: str) -> None:
+        """Renew the dialog's lease every third of its period. A renewal that finds the
+        lease taken over cancels the local turn at once (its upstream stream closes) and its
+        writes fail their fencing check (G2). A renewal that fails on the database retries;
+        the lease is lost only when the database says so."""
+        interval = self.cfg["LEASE_SECONDS"] / 3
+        while True:
+            await asyncio.sleep(interval)
+            held = self._leases.get(session_pk)
+            if held is None or held.released or held.lost:
+                continue
+            try:
+                if await sync_to_async(queue.renew_lease)(held):
+                    continue
+            except Exception:
+                logger.exception("lease renewal failed", extra={"session_id": session_pk})
+                await reset_db()
+                continue
+            logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
+            self._lease_lost(session_pk)
+
+    def _lease_lost(self, session_pk: str) -> None:
+        for local in self.local.values():
+            if local.session.pk == session_pk:
+                local.cancel.set()
+        wake = self._wakeups.get(session_pk)
+        if wake is not None:
+            wake.set()
+
+    async def _start_waiting(self, turn: Turn) -> None:
+        """F7: a turn ended; start the dialogs of its party (`limits.party`) held back by the
+        cap, oldest first (whichever process takes a dialog's lease runs it)."""
+        if self.closing:
+            return
+        try:
+            waiting = await sync_to_async(queue.waiting_dialogs)(
+                turn, scope=self.scope, cfg=self.cfg
+            )
+        except Exception:
+            logger.exception("could not list dialogs waiting for a slot")
+            return
+        for pk in waiting:
+            await self.kick(pk)
+
+    # --- one turn ------------------------------------------------------------------------
+
+    async def _run_turn(self, turn: Turn, held: Lease) -> None:
+        session = turn.session
+        turn_id = str(turn.pk)
+        log = {"session_id": session.session_id, "turn_id": turn_id}
+        snapshot = TurnSnapshot(turn_id=turn_id)
+        local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
+        self.local[turn_id] = local
+        try:
+            try:
+                _appended, generation = await sync_to_async(record_turn_start)(
+                    turn=turn, states=self.states, fence=held
+                )
+            except services.StaleSession:
+                await self._finish(turn, session, Stale(), 0, local=local)
+                return
+            except LeaseLost:
+                logger.error("lost the lease before the turn started", extra=log)
+                return
+            except Exception:
+                logger.exception("could not record the user message", extra=log)
+                failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
+                await self._finish(turn, session, failed, 0, local=local)
+                return
+            session = await sync_to_async(Session.objects.get)(pk=session.pk)
+            local.session = session
+            if session.deleted_at is not None:
+                await self._finish(turn, session, Stale(), generation, local=local)
+                return
+            sink = sink_for_channel(session.channel)
+            if sink is not None:
+                # D4: an external platform's streaming message for this turn.
+                target = {
+                    "chat_id": session.chat_id,
+                    **dict(turn.source.get("context") or {}),
+                    "turn_id": turn_id,
+                }
+                local.delivery = await self.delivery.start(sink, target)
+            runtime = RuntimeInfo(
+                channel=session.channel, dialog_id=session.dialog_id, title=session.title
+            )
+            exclude = (
+                str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
+            )
+            continues, lead = queue.continuation(turn)
+            try:
+                prepared = await self.builder.prepare(
+                    session_pk=session.pk,
+                    runtime=runtime,
+                    exclude_turn_partials=exclude,
+                    pending=lead,
+                )
+            except Exception:
+                logger.exception("context preparation failed", extra=log)
+                failed = Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed")
+                await self._finish(turn, session, failed, generation, local=local)
+                return
+            if prepared.dropped_for_budget:
+                await self._schedule_compaction(session.pk)
+
+            async def fetch_staged() -> list[Any]:
+                return await sync_to_async(take_staged)(turn=turn, fence=held)
+
+            runner = TurnRunner(
+                provider=self.provider,
+                tools=self.tools,
+                builder=self.builder,
+                snapshot=snapshot,
+                tool_context=ToolContext(owner_id=turn.owner_id, session_pk=session.pk),
+                fetch_staged=fetch_staged,
+                runtime=runtime,
+                session_pk=session.pk,
+                # E5: a continuation is one text step that goes on with the cut answer.
+                max_steps=1 if continues else self.cfg["MAX_STEPS"],
+                exclude_turn_partials=exclude,
+                continues=continues,
+                lead=lead,
+            )
+            outcome = await self._run_cancellable(local, runner, prepared)
+            if runner.recovered:
+                await self._schedule_compaction(session.pk)
+            await self._finish(turn, session, outcome, generation, local=local)
+        finally:
+            self.local.pop(turn_id, None)
+
+    async def _schedule_compaction(self, session_pk: str) -> None:
+        await sync_to_async(self.scheduler.schedule)(
+            "compact_session", session_pk=session_pk, manual=False
+        )
+
+    async def _run_cancellable(
+        self, local: LocalTurn, runner: TurnRunner, prepared: Any
+    ) -> TurnOutcome:
+        loop = asyncio.get_running_loop()
+        run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
+        cancel_wait = loop.create_task(local.cancel.wait())
+        publisher = loop.create_task(
+            snapshots.publish_snapshots(
+                local, fps=self.cfg["SNAPSHOT_FPS"], spawn=self.supervisor.spawn
+            )
+        )
+        heartbeat = loop.create_task(
+            snapshots.checkpoint_loop(
+                local, interval=self.cfg["CHECKPOINT_SECONDS"], reset_db=reset_db
+            )
+        )
+        try:
+            # F7: a turn has an overall deadline; a model that trickles cannot hold the
+            # dialog's lease and a model slot forever.
+            deadline = float(self.cfg["TURN_DEADLINE_SECONDS"])
+            await asyncio.wait(
+                {run, cancel_wait}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not run.done() and not cancel_wait.done():
+                await _cancel(run)
+                logger.warning(
+                    "turn passed its deadline of %.0fs", deadline, extra={"turn_id": local.turn_id}
+                )
+                return Failed(
+                    FailureKind.TIMEOUT,
+                    "turn deadline",
+                    messages=runner.pending,
+                    partial=runner.partial,
+                )
+            if not run.done():
+                # C6: cancelling the task closes the provider's HTTP stream at once.
+                await _cancel(run)
+                if self.closing:
+                    return Failed(
+                        FailureKind.INTERRUPTED,
+                        "shutdown",
+                        messages=runner.pending,
+                        partial=runner.partial,
+                    )
+                return Cancelled(messages=runner.pending, partial=runner.partial)
+            try:
+                return run.result()
+            except Exception as exc:
+                logger.exception("turn runner failed", extra={"turn_id": local.turn_id})
+                return Failed(
+                    FailureKind.AGENT_CREATION,
+                    str(exc),
+                    messages=runner.pending,
+                    partial=runner.partial,
+                )
+        finally:
+            # Stop the helpers by flag as well as by cancel: a cancellation can be swallowed
+            # inside a channel-layer call (asyncio.wait_for on Python 3.11), and the turn's end
+            # must never wait on them for long.
+            local.ended = True
+            local.snapshot.changed.set()
+            helpers = (cancel_wait, publisher, heartbeat)
+            for task in helpers:
+                task.cancel()
+            _done, stuck = await asyncio.wait(helpers, timeout=5)
+            if stuck:
+                logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
+            await snapshots.flush_snapshot(local)
+
+    async def _finish(
+        self,
+        turn: Turn,
+        session: Session,
+        outcome: TurnOutcome,
+        generation: int,
+        *,
+        local: LocalTurn,
+    ) -> None:
+        fence = local.lease
+        assert fence is not None
+        try:
+            result = await sync_to_async(commit_outcome)(
+                turn=turn,
+                outcome=outcome,
+                base_generation=generation,
+                states=self.states,
+                fence=fence,
+            )
+        except LeaseLost:
+            # G2: the dialog's new holder ends this turn; a stale holder commits, publishes
+            # and delivers nothing.
+            logger.error(
+                "lost the lease; the turn's outcome was dropped",
+                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+            )
+            return
+        except Exception:
+            logger.exception("commit failed", extra={"turn_id": str(turn.pk)})
+            result = CommitResult(
+                TurnStatus.FAILED,
+                error={
+                    "kind": str(FailureKind.TURN_PERSISTENCE),
+                    "message": present_failure(FailureKind.TURN_PERSISTENCE),
+                },
+            )
+        if isinstance(outcome, Failed):
+            logger.warning(
+                "turn failed: %s (%s)",
+                outcome.kind,
+                outcome.provider_kind or outcome.detail,
+                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
+            )
+        await publish.apublish(
+            publish.chat_group(session.channel, session.chat_id),
+            events.turn_updated_frame(
+                session_id=session.session_id,
+                turn_id=str(turn.pk),
+                status=result.status,
+                reason=result.reason,
+                error=result.error,
+                client_msg_id=turn.client_msg_id,
+                notice=result.notice,
+            ),
+        )
+        if local.delivery is not None:
+            # D4: the sink's terminal goes out under the engine's supervisor, off the turn's
+            # path: the next turn of the dialog does not wait for a slow or broken sink.
+            terminal = terminal_for_sink(outcome, result)
+            if not self.delivery.finish_later(
+                local.delivery, terminal, spawn=self.supervisor.spawn
+            ):
+                # Shutdown began: the terminal still goes out, once, before the worker ends.
+                await local.delivery.finish(terminal)
+        if result.status == TurnStatus.COMPLETED:
+            try:
+                if await sync_to_async(jobs.title_due)(session_pk=session.pk):
+                    await sync_to_async(self.scheduler.schedule)(
+                        "generate_title", session_pk=session.pk
+                    )
+            except DatabaseError:
+                # A title is scheduled again after the next turn; the queue must go on.
+                logger.warning(
+                    "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
+                )
+                await reset_db()
+        try:
+            await sync_to_async(storage.storage_retry)(
+                lambda: queue.after_turn_staged(
+                    turn, result, fence, states=self.states, cfg=self.cfg
+                ),
+                what="after_turn",
+            )
+        except LeaseLost:
+            logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
+    """What a sink shows at the end (D4). The answer body goes out only for a committed,
+    completed turn; a persistence failure never passes on the text from before it."""
+    if result.status == TurnStatus.COMPLETED and isinstance(outcome, Completed):
+        answers = [
+            m.content for m in outcome.messages if m.role == Role.ASSISTANT and not m.tool_calls
+        ]
+        text = "\n\n".join(a for a in answers if a)
+        if result.notice:
+            # E5: a cut or withheld answer says so where it is shown.
+            text = f"{text}\n\n[{result.notice['message']}]" if text else result.notice["message"]
+        return Terminal(status="completed", text=text)
+    error = (result.error or {}).get("message", "")
+    persisted = result.error is None or result.error.get("kind") != str(
+        FailureKind.TURN_PERSISTENCE
+    )
+    partial = getattr(outcome, "partial", "") if persisted else ""
+    status = "cancelled" if result.status == TurnStatus.CANCELLED else "failed"
+    return Terminal(status=status, text=partial, error_message=error)

@@ -1,0 +1,79 @@
+"""Database writes that survive a bad moment: the retry every write of `services` and the
+engine's queue runs under (A4), and the reset of a broken connection (G5)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.conf import settings
+from django.db import DatabaseError, IntegrityError, close_old_connections, connection
+from django.utils.translation import gettext as _
+
+from chatcore.common import events, publish
+from chatcore.common.errors import StorageError
+
+from .models import Session
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def storage_retry(operation: Callable[[], T], *, what: str, session: Session | None = None) -> T:
+    """Run a write, retrying database errors after each configured delay (A4).
+
+    When the last attempt fails too, the error is logged, the session's clients get a system
+    notification (not stored in history), and `StorageError` is raised so that no caller
+    updates its memory as if the write had succeeded.
+    """
+    delays = list(settings.CHAT["STORAGE_RETRY_DELAYS_MS"])
+    attempt = 0
+    while True:
+        try:
+            return operation()
+        except IntegrityError:
+            raise
+        except DatabaseError as exc:
+            if attempt < len(delays):
+                logger.warning(
+                    "storage write %s failed, retrying: %s",
+                    what,
+                    exc,
+                    extra={"attempt": attempt + 1, "session_id": _sid(session)},
+                )
+                time.sleep(delays[attempt] / 1000)
+                reset_broken_connection()
+                attempt += 1
+                continue
+            logger.error(
+                "storage write %s failed after %d attempts: %s",
+                what,
+                attempt + 1,
+                exc,
+                extra={"session_id": _sid(session)},
+            )
+            if session is not None:
+                publish.publish_to_chat(
+                    session,
+                    events.notification_frame(
+                        session_id=session.session_id,
+                        level="error",
+                        content=_("Saving to the database failed; the last change was not kept."),
+                    ),
+                )
+            raise StorageError() from exc
+
+
+def reset_broken_connection() -> None:
+    """G5: after a database error, drop this thread's connection if it is broken (the server
+    restarted, or an operator ended it), so the next query connects again. Engine calls run
+    outside Django's request cycle, which would otherwise do this."""
+    if not connection.in_atomic_block:
+        close_old_connections()
+
+
+def _sid(session: Session | None) -> str | None:
+    return session.session_id if session is not None else None

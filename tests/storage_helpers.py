@@ -1,0 +1,59 @@
+"""Helpers and fixtures shared by the storage test files."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import OperationalError
+
+from sessions_app import services
+from sessions_app.models import Message, MessageKind, Role, Session
+
+MESSAGE_TABLE = "sessions_app_message"
+SESSION_TABLE = "sessions_app_session"
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def create(user: Any, dialog_id: str | None = "default", **kw: Any) -> Session:
+    return services.session_create(
+        owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id=dialog_id, **kw
+    )
+
+
+def user_msg(text: str) -> services.NewMessage:
+    return services.NewMessage(role=Role.USER, content=text, kind=MessageKind.USER_INPUT)
+
+
+def assistant_msg(text: str) -> services.NewMessage:
+    return services.NewMessage(role=Role.ASSISTANT, content=text, kind=MessageKind.ASSISTANT)
+
+
+def stored_seqs(session: Session) -> list[int]:
+    return list(
+        Message.objects.filter(session_id=session.pk).order_by("seq").values_list("seq", flat=True)
+    )
+
+
+def fresh(session: Session) -> Session:
+    return Session.objects.get(pk=session.pk)
+
+
+class FailStatements:
+    """An execute wrapper that makes the first `failures` matching statements raise, like a
+    database that is briefly unavailable; it counts every matching attempt."""
+
+    def __init__(self, table: str, verb: str, failures: int) -> None:
+        self.table = f'"{table}"'
+        self.verb = verb
+        self.remaining = failures
+        self.attempts = 0
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if self.table in sql and sql.lstrip().upper().startswith(self.verb):
+            self.attempts += 1
+            if self.remaining > 0:
+                self.remaining -= 1
+                raise OperationalError("injected: disk I/O error at /secret/path")
+        return execute(sql, params, many, context)

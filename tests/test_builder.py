@@ -1,0 +1,110 @@
+"""The input builder (`chatcore.engine.turns.builder`) on its own, against the real database:
+what the model is sent for a dialog (C7, C8, E5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from chatcore.engine.sessions import SessionStates
+from chatcore.engine.turns.builder import RUNTIME_MARKER, RuntimeInfo, TurnInputBuilder
+from chatcore.engine.turns.outcome import PendingMessage
+from sessions_app import services, turn_services
+from sessions_app.models import MessageKind, Role
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+PROMPT = "You are the test assistant."
+
+
+def _dialog(user: Any) -> Any:
+    return services.session_create(owner=user, channel="web", chat_id=f"u{user.pk}")
+
+
+def _add(session: Any, *messages: services.NewMessage) -> None:
+    services.messages_append(session_pk=session.pk, messages=list(messages))
+
+
+def _user(text: str) -> services.NewMessage:
+    return services.NewMessage(role=Role.USER, content=text, kind=MessageKind.USER_INPUT)
+
+
+def _assistant(text: str, **kw: Any) -> services.NewMessage:
+    return services.NewMessage(role=Role.ASSISTANT, content=text, kind=MessageKind.ASSISTANT, **kw)
+
+
+def _builder(**kw: Any) -> TurnInputBuilder:
+    return TurnInputBuilder(states=SessionStates(), system_prompt=PROMPT, skills_dir="/none", **kw)
+
+
+def _runtime(session: Any) -> RuntimeInfo:
+    return RuntimeInfo(channel="web", dialog_id=session.dialog_id, title=session.title)
+
+
+async def test_history_in_order_behind_one_system_message_with_runtime_at_the_end(user):
+    # covers: C7, C8
+    session = await sync_to_async(_dialog)(user)
+    await sync_to_async(_add)(session, _user("first"), _assistant("reply"), _user("second"))
+    prepared = await _builder().prepare(session_pk=session.pk, runtime=_runtime(session))
+    roles = [m["role"] for m in prepared.messages]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert prepared.messages[0]["content"].startswith(PROMPT)
+    # The welcome message never reaches the model; the runtime block is on the last user
+    # message only, once.
+    assert prepared.messages[1]["content"] == "first"
+    assert prepared.messages[-1]["content"].startswith("second" + RUNTIME_MARKER)
+    assert sum(str(m["content"]).count(RUNTIME_MARKER) for m in prepared.messages) == 1
+    assert prepared.dropped_for_budget == 0 and prepared.estimated_tokens > 0
+
+
+async def test_memory_notes_and_plan_go_into_the_system_message(user):
+    # covers: C8
+    session = await sync_to_async(_dialog)(user)
+    await sync_to_async(_add)(session, _user("hi"))
+    await sync_to_async(turn_services.memory_note_add)(owner_id=user.pk, content="likes tea")
+    await sync_to_async(turn_services.session_plan_set)(session_pk=session.pk, plan="1. greet")
+    prepared = await _builder().prepare(session_pk=session.pk, runtime=_runtime(session))
+    system = prepared.messages[0]["content"]
+    assert "- likes tea" in system and "1. greet" in system
+
+
+async def test_a_tool_call_without_its_result_is_left_out(user):
+    # covers: C8
+    session = await sync_to_async(_dialog)(user)
+    call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    await sync_to_async(_add)(
+        session, _user("use a tool"), _assistant("", tool_calls=[call]), _user("again")
+    )
+    prepared = await _builder().prepare(session_pk=session.pk, runtime=_runtime(session))
+    assert not any(m.get("tool_calls") for m in prepared.messages)
+    assert [m["role"] for m in prepared.messages] == ["system", "user", "user"]
+
+
+async def test_oldest_messages_leave_first_when_over_budget(user):
+    # covers: C7
+    session = await sync_to_async(_dialog)(user)
+    words = " ".join(["word"] * 300)
+    await sync_to_async(_add)(
+        session, *[_user(f"old {i} {words}") for i in range(6)], _user("the newest")
+    )
+    prepared = await _builder(context_window=2000).prepare(
+        session_pk=session.pk, runtime=_runtime(session)
+    )
+    contents = [str(m["content"]) for m in prepared.messages[1:]]
+    assert prepared.dropped_for_budget > 0
+    assert contents[-1].startswith("the newest")
+    assert not any(c.startswith("old 0 ") for c in contents)
+
+
+async def test_pending_messages_of_the_turn_follow_history(user):
+    # covers: C4, E5
+    session = await sync_to_async(_dialog)(user)
+    await sync_to_async(_add)(session, _user("question"))
+    lead = [PendingMessage(role=Role.USER, content="go on", kind="continue")]
+    prepared = await _builder().prepare(
+        session_pk=session.pk, runtime=_runtime(session), pending=lead
+    )
+    assert prepared.messages[-2]["content"] == "question"
+    assert prepared.messages[-1]["content"].startswith("go on" + RUNTIME_MARKER)

@@ -1,0 +1,89 @@
+"""The sender and the frame shapes (`chatcore.common.publish`, `chatcore.common.events`):
+every frame survives a JSON round trip, and a send started from sync code on the engine's loop
+is a task of the engine's supervisor (F1, STYLE 4)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from django.utils import timezone
+
+from chatcore.common import events, publish
+from chatcore.common.errors import RateLimited
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+def _message(**kw: object) -> SimpleNamespace:
+    base = dict(
+        id="m-1",
+        seq=3,
+        role="assistant",
+        content="hi",
+        created_at=timezone.now(),
+        tool_calls=None,
+        tool_call_id=None,
+        tool_name=None,
+        status="truncated",
+        source={"from_user_id": "42", "from_channel": "web", "reply_to": "c-1"},
+        turn_id="t-1",
+    )
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_every_frame_shape_survives_a_json_round_trip() -> None:
+    # covers: D1-D3, STYLE 4
+    session = SimpleNamespace(
+        session_id="web:u1:default",
+        dialog_id="default",
+        title="T",
+        last_seq=3,
+        last_active_at=timezone.now(),
+        message_count=1,
+        channel="web",
+        chat_id="u1",
+    )
+    turn = SimpleNamespace(pk="t-2", mode="send", client_msg_id="", content="x" * 100)
+    error = RateLimited(retry_after=1.234)
+    frames = [
+        events.history_delta_frame(
+            session_id="s", turn_id="t-1", base_revision=2, messages=[_message()]
+        ),
+        events.turn_updated_frame(session_id="s", turn_id="t", status="completed"),
+        events.session_updated_frame(session=session, compacted_through=3),
+        events.notification_frame(session_id="s", level="info", content="c"),
+        events.sessions_changed_frame(session_id="s"),
+        events.turn_snapshot_frame(session_id="s", turn_id="t", text="ab", tools=[], frame=1),
+        events.queued_frame(session_id="s", turn_id="t", position=0, mode="send"),
+        events.sessions_frame(current=session, items=[events.session_item(session)]),
+        events.session_history_frame(
+            session=session,
+            messages=[_message()],
+            has_more=False,
+            active_turn=None,
+            queue=[events.queue_item(turn)],
+        ),
+        events.command_result_frame(command="help", ok=True, content="Commands:"),
+        events.error_frame(**error.as_dict(), retry_after=error.retry_after),
+    ]
+    for frame in frames:
+        assert json.loads(json.dumps(frame)) == frame
+    # Sender ids stay private (A1); the rest of the source is shown.
+    shown = frames[0]["messages"][0]
+    assert "from_user_id" not in shown["source"] and shown["source"]["reply_to"] == "c-1"
+    assert frames[-1]["retry_after"] == 1.2 and frames[-1]["code"] == "rate_limited"
+    assert frames[6]["client_msg_id"] is None and frames[8]["queue"][0]["preview"] == "x" * 80
+
+
+async def test_a_sync_publish_on_the_engine_loop_is_a_supervised_task(make_engine, recorder):
+    # covers: F1 (issue 12: every task `publish` starts is supervised)
+    engine = await make_engine()
+    rec = await recorder("test.group")
+    before = len(engine.supervisor)
+    publish.publish("test.group", events.sessions_changed_frame(session_id="s"))
+    assert len(engine.supervisor) == before + 1
+    frame = await rec.next()
+    assert frame == {"type": "sessions_changed", "session_id": "s"}

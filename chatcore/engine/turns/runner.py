@@ -43,17 +43,25 @@ class TurnSnapshot:
     apply tails by offset) and tool progress. `changed` wakes the coalescing publisher."""
 
     turn_id: str
-    text: str = ""
     tools: list[ToolProgress] = field(default_factory=list)
     version: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # The answer as pieces, joined only when read (at most a few times a second): appending
+    # to one growing string would copy the whole answer at every token (STYLE 18).
+    _pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def _bump(self) -> None:
         self.version += 1
         self.changed.set()
 
     def append_text(self, piece: str) -> None:
-        self.text += piece
+        self._pieces.append(piece)
         self._bump()
 
     def tool_started(self, call_id: str, name: str) -> None:
@@ -109,7 +117,8 @@ class TurnRunner:
         self.max_steps = max_steps
         self.exclude_turn_partials = exclude_turn_partials
         self.pending: list[PendingMessage] = []
-        self.step_text = ""
+        # The step's text as pieces, joined when read (not copied at every token).
+        self._step: list[str] = []
         self.usage: dict[str, Any] = {}
         self.recovered = False
         # E5: a continuation turn links its answer to the cut message it goes on with; `lead`
@@ -118,6 +127,16 @@ class TurnRunner:
         self.lead = list(lead or [])
         self.answer_tokens = settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens
         self.input_tokens = 0
+
+    @property
+    def step_text(self) -> str:
+        if len(self._step) > 1:
+            self._step[:] = ["".join(self._step)]
+        return self._step[0] if self._step else ""
+
+    @step_text.setter
+    def step_text(self, value: str) -> None:
+        self._step = [value] if value else []
 
     @property
     def partial(self) -> str:
@@ -258,7 +277,7 @@ class TurnRunner:
                     # The snapshot is append-only; separate the steps' texts once.
                     self.snapshot.append_text("\n\n")
                     separator_pending = False
-                self.step_text += event.text
+                self._step.append(event.text)
                 self.snapshot.append_text(event.text)
             elif isinstance(event, Completion):
                 logger.debug("model step took %.3fs", time.monotonic() - started)

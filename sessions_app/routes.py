@@ -328,19 +328,7 @@ async def stop_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
 async def retry_session(
     request: HttpRequest, session_id: str, payload: RetryIn | None = None
 ) -> Status[Any] | HttpResponseBase:
-    user = _user(request)
-    session = await sync_to_async(_writable)(user, session_id)
-    engine = await runtime.get_engine()
-    client_msg_id = (payload.client_msg_id if payload else None) or ""
-
-    def start() -> Awaitable[Ack]:
-        return engine.retry(session, owner=user, client_msg_id=client_msg_id)
-
-    if wants_stream(request):
-        return await stream(
-            user=user, session=session, engine=engine, start=start, login=request_login(request)
-        )
-    return Status(202, ack_body(await start()))
+    return await _rerun(request, session_id, payload, continue_answer=False)
 
 
 @router.post(
@@ -355,13 +343,22 @@ async def retry_session(
 async def continue_session(
     request: HttpRequest, session_id: str, payload: RetryIn | None = None
 ) -> Status[Any] | HttpResponseBase:
+    return await _rerun(request, session_id, payload, continue_answer=True)
+
+
+async def _rerun(
+    request: HttpRequest, session_id: str, payload: RetryIn | None, *, continue_answer: bool
+) -> Status[Any] | HttpResponseBase:
+    """A turn without a new user message: retry (C6) or continue a cut answer (E5); 202 with
+    the ack, or the turn's frames as SSE."""
     user = _user(request)
     session = await sync_to_async(_writable)(user, session_id)
     engine = await runtime.get_engine()
     client_msg_id = (payload.client_msg_id if payload else None) or ""
+    begin = engine.continue_answer if continue_answer else engine.retry
 
     def start() -> Awaitable[Ack]:
-        return engine.continue_answer(session, owner=user, client_msg_id=client_msg_id)
+        return begin(session, owner=user, client_msg_id=client_msg_id)
 
     if wants_stream(request):
         return await stream(

@@ -165,8 +165,15 @@ class Engine:
     async def submit(self, inbound: Inbound, session: Session) -> Ack:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         await check_inbound(inbound, session, cfg=self.cfg, closing=self.closing)
-        ack = await sync_to_async(queue.admit)(inbound, session, cfg=self.cfg, states=self.states)
-        if ack.turn_id is not None:
+        # G6: a send to a dialog this process does not run now may start its turn in the
+        # admitting transaction (`queue.admit_and_start`); otherwise the usual kick.
+        start_as = None if self.workers.running(session.pk) else self.process_id
+        ack, started = await sync_to_async(queue.admit_and_start)(
+            inbound, session, cfg=self.cfg, states=self.states, start_as=start_as
+        )
+        if started is not None:
+            await self.workers.start_claimed(started)
+        elif ack.turn_id is not None:
             await self.kick(session.pk)
         return ack
 

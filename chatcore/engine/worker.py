@@ -11,6 +11,7 @@ a slow or broken sink does not hold up the dialog's queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -177,7 +178,10 @@ class Workers:
                 await self._start_waiting(first.turn)
             while not self.closing:
                 wake.clear()
-                turn = await sync_to_async(queue.claim_next)(session_pk, held, cfg=self.cfg)
+                turn = await storage.astorage_retry(
+                    functools.partial(queue.claim_next, session_pk, held, cfg=self.cfg),
+                    what="claim",
+                )
                 if isinstance(turn, Turn):
                     await self._run_turn(turn, held)
                     await self._start_waiting(turn)
@@ -279,8 +283,10 @@ class Workers:
                 session = local.session = started.session
             else:
                 try:
-                    _appended, generation = await sync_to_async(record_turn_start)(
-                        turn=turn, states=self.states, fence=held
+                    _appended, generation = await storage.astorage_retry(
+                        lambda: record_turn_start(turn=turn, states=self.states, fence=held),
+                        what="turn_start",
+                        session=session,
                     )
                 except services.StaleSession:
                     await self._finish(turn, session, Stale(), 0, local=local)
@@ -505,7 +511,7 @@ class Workers:
                 )
                 await reset_db()
         try:
-            await sync_to_async(storage.storage_retry)(
+            await storage.astorage_retry(
                 lambda: queue.after_turn_staged(
                     turn, result, fence, states=self.states, cfg=self.cfg
                 ),

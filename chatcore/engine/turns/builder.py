@@ -20,7 +20,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection
 
 from sessions_app import selectors
 from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
@@ -238,7 +238,7 @@ class TurnInputBuilder:
         """Runs on a pool thread, not the one ORM thread that answers every client (F7), in
         one read transaction."""
         try:
-            with transaction.atomic():
+            with selectors.read_transaction():
                 session = Session.objects.get(pk=session_pk)
                 compaction = (
                     Compaction.objects.filter(session_id=session_pk)

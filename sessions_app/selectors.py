@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 from django.conf import settings
+from django.db import connection, transaction
 from django.db.models import F, QuerySet, Sum, Window
 from django.db.models.functions import Length
 from django.utils import timezone
@@ -15,6 +18,27 @@ from chatcore.common.errors import NotFound, ReadOnlyDialog
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, SessionKey
 
 from .models import ChannelChat, Message, Session, StagedInput, Turn, TurnStatus
+
+
+@contextmanager
+def read_transaction() -> Iterator[None]:
+    """One read transaction: the reads inside see one state of the database (G6: a turn's
+    context in one round trip). On SQLite it begins DEFERRED: a reader never takes the write
+    lock that write transactions take at BEGIN (IMMEDIATE), so it runs beside them (WAL)."""
+    if connection.vendor != "sqlite" or connection.in_atomic_block:
+        with transaction.atomic():
+            yield
+        return
+    connection.ensure_connection()
+    mode = getattr(connection, "transaction_mode", None)
+    setattr(connection, "transaction_mode", "DEFERRED")  # noqa: B010
+    try:
+        with transaction.atomic():
+            setattr(connection, "transaction_mode", mode)  # noqa: B010
+            yield
+    finally:
+        setattr(connection, "transaction_mode", mode)  # noqa: B010
+
 
 HISTORY_PAGE_DEFAULT = 100
 HISTORY_PAGE_MAX = 500

@@ -321,6 +321,58 @@ class Appended:
         return self.messages[-1].seq if self.messages else self.base_revision
 
 
+def append_locked(
+    locked: Session,
+    messages: Sequence[NewMessage],
+    *,
+    turn: Turn | None = None,
+    extra: Callable[[Session], None] | None = None,
+) -> Appended:
+    """The write of `messages_append`, inside the caller's transaction on a session row it
+    has locked (the engine records a turn's user message in the transaction that claims it,
+    G6). Publishing the delta is the caller's (`announce_appended`)."""
+    base = locked.last_seq
+    now = timezone.now()
+    rows = []
+    for offset, new in enumerate(messages, start=1):
+        source = {"kind": new.kind, **new.source}
+        rows.append(
+            Message(
+                session=locked,
+                seq=base + offset,
+                role=new.role,
+                content=new.content,
+                created_at=new.created_at or now,
+                tool_calls=new.tool_calls,
+                tool_call_id=new.tool_call_id or "",
+                tool_name=new.tool_name or "",
+                media_refs=new.media_refs,
+                source=source,
+                status=new.status,
+                turn=turn,
+            )
+        )
+    Message.objects.bulk_create(rows)
+    user_count = sum(1 for m in messages if m.kind in USER_KINDS)
+    locked.last_seq = base + len(rows)
+    locked.total_message_count += len(rows)
+    locked.message_count += user_count
+    locked.state_version += 1
+    locked.last_active_at = now
+    locked.save(
+        update_fields=[
+            "last_seq",
+            "total_message_count",
+            "message_count",
+            "state_version",
+            "last_active_at",
+        ]
+    )
+    if extra is not None:
+        extra(locked)
+    return Appended(session=locked, base_revision=base, messages=rows)
+
+
 def messages_append(
     *,
     session_pk: str,
@@ -354,48 +406,9 @@ def messages_append(
                 locked.generation != require_generation or locked.deleted_at is not None
             ):
                 raise StaleSession()
-            base = locked.last_seq
-            now = timezone.now()
-            rows = []
-            for offset, new in enumerate(messages, start=1):
-                source = {"kind": new.kind, **new.source}
-                rows.append(
-                    Message(
-                        session=locked,
-                        seq=base + offset,
-                        role=new.role,
-                        content=new.content,
-                        created_at=new.created_at or now,
-                        tool_calls=new.tool_calls,
-                        tool_call_id=new.tool_call_id or "",
-                        tool_name=new.tool_name or "",
-                        media_refs=new.media_refs,
-                        source=source,
-                        status=new.status,
-                        turn=turn,
-                    )
-                )
-            Message.objects.bulk_create(rows)
-            user_count = sum(1 for m in messages if m.kind in USER_KINDS)
-            locked.last_seq = base + len(rows)
-            locked.total_message_count += len(rows)
-            locked.message_count += user_count
-            locked.state_version += 1
-            locked.last_active_at = now
-            locked.save(
-                update_fields=[
-                    "last_seq",
-                    "total_message_count",
-                    "message_count",
-                    "state_version",
-                    "last_active_at",
-                ]
-            )
-            if extra is not None:
-                extra(locked)
-            appended = Appended(session=locked, base_revision=base, messages=rows)
+            appended = append_locked(locked, messages, turn=turn, extra=extra)
             if publish_delta:
-                transaction.on_commit(lambda: _announce_appended(appended, turn))
+                transaction.on_commit(lambda: announce_appended(appended, turn))
             return appended
 
     return storage_retry(write, what="messages_append", session=probe)
@@ -409,7 +422,7 @@ class StaleSession(Exception):
     """The dialog changed or was deleted under a conditional write (C9)."""
 
 
-def _announce_appended(appended: Appended, turn: Turn | None) -> None:
+def announce_appended(appended: Appended, turn: Turn | None) -> None:
     publish.publish_to_chat(
         appended.session,
         events.history_delta_frame(

@@ -30,7 +30,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
-from sessions_app import selectors
+from sessions_app import selectors, storage
 from sessions_app.models import Session, TurnStatus
 
 from . import control, limits, queue, snapshots
@@ -165,8 +165,20 @@ class Engine:
     async def submit(self, inbound: Inbound, session: Session) -> Ack:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         await check_inbound(inbound, session, cfg=self.cfg, closing=self.closing)
-        ack = await sync_to_async(queue.admit)(inbound, session, cfg=self.cfg, states=self.states)
-        if ack.turn_id is not None:
+        # G6: a send to a dialog this process does not run now may start its turn in the
+        # admitting transaction (`queue.admit_and_start`); otherwise the usual kick.
+        start_as = None if self.workers.running(session.pk) else self.process_id
+        # A4: retries of the write wait on the loop, not on the database thread.
+        ack, started = await storage.astorage_retry(
+            lambda: queue.admit_and_start(
+                inbound, session, cfg=self.cfg, states=self.states, start_as=start_as
+            ),
+            what="admit",
+            session=session,
+        )
+        if started is not None:
+            await self.workers.start_claimed(started)
+        elif ack.turn_id is not None:
             await self.kick(session.pk)
         return ack
 
@@ -174,7 +186,9 @@ class Engine:
 
     async def stop(self, session: Session) -> StopResult:
         """Abort the running turn at once, drop unstarted sends and staged steers."""
-        running, dropped = await sync_to_async(queue.stop)(session)
+        running, dropped = await storage.astorage_retry(
+            lambda: queue.stop(session), what="stop", session=session
+        )
         for turn in dropped:
             await publish.apublish(
                 publish.chat_group(session.channel, session.chat_id),
@@ -212,8 +226,12 @@ class Engine:
         """C6: re-run the last failed or cancelled turn as a new turn (`queue.enqueue_retry`).
         A retry starts model work, so it is charged to the send rate (F7)."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
-        ack = await sync_to_async(queue.enqueue_retry)(
-            session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
+        ack = await storage.astorage_retry(
+            lambda: queue.enqueue_retry(
+                session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
+            ),
+            what="retry",
+            session=session,
         )
         await self.kick(session.pk)
         return ack
@@ -226,8 +244,12 @@ class Engine:
         (`source.continues`); stored messages are never rewritten (B5), the builder and the
         clients join them. Charged to the send rate like a send."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
-        ack = await sync_to_async(queue.enqueue_continue)(
-            session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
+        ack = await storage.astorage_retry(
+            lambda: queue.enqueue_continue(
+                session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
+            ),
+            what="continue",
+            session=session,
         )
         await self.kick(session.pk)
         return ack

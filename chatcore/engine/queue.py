@@ -8,6 +8,9 @@ carry its lease and check its epoch in the same transaction (G2, `lease.Lease.ch
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
@@ -41,7 +44,7 @@ from .ingress import Ack, Inbound
 from .lease import Lease
 from .sessions import SessionStates
 from .turns.builder import CONTINUE_INSTRUCTION
-from .turns.committer import CommitResult, commit_outcome
+from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
 
 logger = logging.getLogger(__name__)
@@ -105,11 +108,91 @@ def position(turn: Turn) -> int:
 # --- admission (C1, C2, C4, C5) ------------------------------------------------------------
 
 
+@dataclass
+class Started:
+    """A turn admitted, claimed under a freshly acquired lease and with its user message
+    recorded, all in the admitting transaction (`admit_and_start`, G6)."""
+
+    turn: Turn
+    lease: Lease
+    session: Session
+    appended: services.Appended | None
+    generation: int
+
+
+def _admit_locked(
+    inbound: Inbound, live: Session, *, cfg: dict[str, Any], busy: bool
+) -> tuple[Ack, services.Appended | None, Turn | None]:
+    """The admission of `admit`, on the dialog's row locked by the caller's transaction."""
+    if inbound.mode in ("steer", "inject") and busy:
+        # C4/C5: staged durably, recorded at the running turn's next step boundary.
+        StagedInput.objects.create(
+            session_id=live.pk,
+            mode=inbound.mode,
+            content=inbound.content,
+            client_msg_id=inbound.client_msg_id,
+            source=inbound.source(),
+            received_at=inbound.received_at,
+        )
+        running = Turn.objects.filter(session_id=live.pk, status=TurnStatus.RUNNING).first()
+        turn_id = str(running.pk) if running else None
+        return Ack(live, turn_id, 0, inbound.mode, inbound.client_msg_id), None, None
+    if inbound.mode == "inject":
+        # C5: idle inject is appended to history without running the model.
+        appended = services.messages_append(
+            session_pk=live.pk,
+            session=live,
+            messages=[
+                services.NewMessage(
+                    role=Role.USER,
+                    content=inbound.content,
+                    kind=MessageKind.INJECT,
+                    created_at=inbound.received_at,
+                    source=inbound.source(),
+                )
+            ],
+        )
+        return Ack(appended.session, None, 0, "inject", inbound.client_msg_id), appended, None
+    turn = enqueue_locked(
+        live,
+        cfg=cfg,
+        owner_id=inbound.owner.pk,
+        content=inbound.content,
+        client_msg_id=inbound.client_msg_id,
+        source=inbound.source(),
+        received_at=inbound.received_at,
+    )
+    # An idle steer is a send (C4), acknowledged as such.
+    mode = "send" if inbound.mode == "steer" else inbound.mode
+    # Nothing queued or running before it: an idle dialog's send runs now.
+    at = 0 if not busy else position(turn)
+    return Ack(live, str(turn.pk), at, mode, inbound.client_msg_id), None, turn
+
+
 def admit(inbound: Inbound, session: Session, *, cfg: dict[str, Any], states: SessionStates) -> Ack:
     """Store one accepted send/steer/inject before it is acknowledged (C2): a queued turn, a
     staged input for the running turn, or an idle inject appended to history."""
+    ack, _started = admit_and_start(inbound, session, cfg=cfg, states=states, start_as=None)
+    return ack
 
-    def write() -> tuple[Ack, services.Appended | None]:
+
+def admit_and_start(
+    inbound: Inbound,
+    session: Session,
+    *,
+    cfg: dict[str, Any],
+    states: SessionStates,
+    start_as: str | None,
+) -> tuple[Ack, Started | None]:
+    """`admit`, and for a send to an idle dialog whose lease is free, start its turn in the
+    same transaction (G6: one round trip before the context is read): take the lease for
+    `start_as` with a new epoch (G2), claim the turn when its owner has a free slot (F7) and
+    record its user message (C3). Anything else (a busy dialog, a lease held elsewhere, a
+    turn still marked running that recovery must close first (C11), an owner at the cap) is
+    only admitted, exactly as `admit` does, and the caller takes the usual path (`kick`)."""
+
+    def write() -> tuple[Ack, services.Appended | None, Started | None]:
+        confirmed = time.monotonic()
         with transaction.atomic():
             live = lock_live(session.pk)
             if inbound.accept is not None:
@@ -117,54 +200,57 @@ def admit(inbound: Inbound, session: Session, *, cfg: dict[str, Any], states: Se
             busy = Turn.objects.filter(
                 session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
             ).exists()
-            if inbound.mode in ("steer", "inject") and busy:
-                # C4/C5: staged durably, recorded at the running turn's next step boundary.
-                StagedInput.objects.create(
-                    session_id=session.pk,
-                    mode=inbound.mode,
-                    content=inbound.content,
-                    client_msg_id=inbound.client_msg_id,
-                    source=inbound.source(),
-                    received_at=inbound.received_at,
-                )
-                running = Turn.objects.filter(
-                    session_id=session.pk, status=TurnStatus.RUNNING
-                ).first()
-                turn_id = str(running.pk) if running else None
-                return Ack(live, turn_id, 0, inbound.mode, inbound.client_msg_id), None
-            if inbound.mode == "inject":
-                # C5: idle inject is appended to history without running the model.
-                appended = services.messages_append(
-                    session_pk=session.pk,
-                    session=live,
-                    messages=[
-                        services.NewMessage(
-                            role=Role.USER,
-                            content=inbound.content,
-                            kind=MessageKind.INJECT,
-                            created_at=inbound.received_at,
-                            source=inbound.source(),
-                        )
-                    ],
-                )
-                return Ack(appended.session, None, 0, "inject", inbound.client_msg_id), appended
-            turn = enqueue_locked(
-                live,
-                cfg=cfg,
-                owner_id=inbound.owner.pk,
-                content=inbound.content,
-                client_msg_id=inbound.client_msg_id,
-                source=inbound.source(),
-                received_at=inbound.received_at,
-            )
-            # An idle steer is a send (C4), acknowledged as such.
-            mode = "send" if inbound.mode == "steer" else inbound.mode
-            return Ack(live, str(turn.pk), position(turn), mode, inbound.client_msg_id), None
+            ack, appended, turn = _admit_locked(inbound, live, cfg=cfg, busy=busy)
+            if turn is None or busy or start_as is None:
+                return ack, appended, None
+            started = _start_locked(live, turn, owner=start_as, cfg=cfg, confirmed=confirmed)
+            return ack, started.appended if started else None, started
 
-    ack, appended = storage.storage_retry(write, what="admit", session=session)
+    ack, appended, started = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:
         states.apply_appended(appended)
-    return ack
+    return ack, started
+
+
+def _start_locked(
+    live: Session, turn: Turn, *, owner: str, cfg: dict[str, Any], confirmed: float
+) -> Started | None:
+    """In the admitting transaction, on the locked row of an idle dialog (no queued or
+    running turn, so nothing for C11 recovery): the lease, the F7 slot, the claim and the
+    user message. None (the turn stays queued) when the lease is live or the owner is at
+    the cap."""
+    now = timezone.now()
+    if live.lease_owner and live.lease_expires_at is not None and live.lease_expires_at >= now:
+        return None
+    turn.session = live
+    limits.lock_owner(turn.owner_id)
+    if not limits.turn_may_start(turn, cfg):
+        return None
+    epoch = live.lease_epoch + 1
+    taken = (
+        Session.objects.filter(pk=live.pk, lease_epoch=live.lease_epoch)
+        .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+        .update(
+            lease_owner=owner,
+            lease_expires_at=now + timedelta(seconds=cfg["LEASE_SECONDS"]),
+            lease_epoch=epoch,
+        )
+    )
+    if not taken:
+        return None
+    live.lease_owner, live.lease_epoch = owner, epoch
+    held = Lease(live.pk, owner, epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
+    Turn.objects.filter(pk=turn.pk).update(status=TurnStatus.RUNNING, started_at=now)
+    turn.status, turn.started_at = TurnStatus.RUNNING, now
+    new, leftovers = start_messages(turn)
+    appended = None
+    if new:
+
+        def mark(_locked: Session) -> None:
+            turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
+
+        appended = services.append_locked(live, new, turn=turn, extra=mark)
+    return Started(turn, held, live, appended, live.generation)
 
 
 # --- stop / retry / continue (C6, E5) ------------------------------------------------------

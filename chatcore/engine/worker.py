@@ -11,6 +11,7 @@ a slow or broken sink does not hold up the dialog's queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -121,19 +122,66 @@ class Workers:
             self._leases.pop(session_pk, None)
             await sync_to_async(queue.release_lease)(held)
 
-    async def _worker(self, session_pk: str) -> None:
+    def running(self, session_pk: str) -> bool:
+        """Whether this process has a worker for the dialog now."""
+        worker = self.tasks.get(session_pk)
+        return worker is not None and not worker.done()
+
+    async def start_claimed(self, started: queue.Started) -> None:
+        """Run a turn `queue.admit_and_start` claimed under a lease it took (G6): the model
+        request goes out next; the user message's `history_delta` is published by a task of
+        its own, never awaited here."""
+        session_pk = started.session.pk
+        self._wakeups[session_pk] = asyncio.Event()
+        self._leases[session_pk] = started.lease
+        try:
+            if started.appended is not None:
+                self._announce(started.appended, started.turn)
+            self.tasks[session_pk] = self.supervisor.spawn(
+                f"worker:{session_pk}", self._worker(session_pk, first=started)
+            )
+        except ShuttingDown:
+            # The turn stays marked running; the next holder of the lease closes it (C11).
+            self._leases.pop(session_pk, None)
+            self._wakeups.pop(session_pk, None)
+            await sync_to_async(queue.release_lease)(started.lease)
+
+    def _announce(self, appended: services.Appended, turn: Turn) -> None:
+        session = appended.session
+        self.supervisor.spawn(
+            f"publish:{turn.pk}",
+            publish.apublish(
+                publish.chat_group(session.channel, session.chat_id),
+                events.history_delta_frame(
+                    session_id=session.session_id,
+                    turn_id=str(turn.pk),
+                    base_revision=appended.base_revision,
+                    messages=appended.messages,
+                ),
+            ),
+        )
+
+    async def _worker(self, session_pk: str, first: queue.Started | None = None) -> None:
         wake = self._wakeups[session_pk]
         held = self._leases[session_pk]
         renew = self.supervisor.spawn(
             f"lease:{session_pk}", self._renew_loop(session_pk), daemon=True
         )
         try:
-            await sync_to_async(queue.recover_interrupted)(
-                session_pk, held, states=self.states, running_here=set(self.local)
-            )
+            if first is None:
+                await sync_to_async(queue.recover_interrupted)(
+                    session_pk, held, states=self.states, running_here=set(self.local)
+                )
+            else:
+                # Claimed in the admitting transaction, which saw no running turn (C11).
+                await self._run_turn(first.turn, held, started=first)
+                await self._start_waiting(first.turn)
             while not self.closing:
                 wake.clear()
-                turn = await sync_to_async(queue.claim_next)(session_pk, held, cfg=self.cfg)
+                turn = await storage.astorage_retry(
+                    functools.partial(queue.claim_next, session_pk, held, cfg=self.cfg),
+                    what="claim",
+                )
                 if isinstance(turn, Turn):
                     await self._run_turn(turn, held)
                     await self._start_waiting(turn)
@@ -218,7 +266,9 @@ class Workers:
 
     # --- one turn ------------------------------------------------------------------------
 
-    async def _run_turn(self, turn: Turn, held: Lease) -> None:
+    async def _run_turn(
+        self, turn: Turn, held: Lease, started: queue.Started | None = None
+    ) -> None:
         session = turn.session
         turn_id = str(turn.pk)
         log = {"session_id": session.session_id, "turn_id": turn_id}
@@ -226,26 +276,34 @@ class Workers:
         local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
         self.local[turn_id] = local
         try:
-            try:
-                _appended, generation = await sync_to_async(record_turn_start)(
-                    turn=turn, states=self.states, fence=held
-                )
-            except services.StaleSession:
-                await self._finish(turn, session, Stale(), 0, local=local)
-                return
-            except LeaseLost:
-                logger.error("lost the lease before the turn started", extra=log)
-                return
-            except Exception:
-                logger.exception("could not record the user message", extra=log)
-                failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
-                await self._finish(turn, session, failed, 0, local=local)
-                return
-            session = await sync_to_async(Session.objects.get)(pk=session.pk)
-            local.session = session
-            if session.deleted_at is not None:
-                await self._finish(turn, session, Stale(), generation, local=local)
-                return
+            if started is not None:
+                # G6: the user message was recorded in the claiming transaction, on the
+                # dialog's locked (live) row.
+                generation = started.generation
+                session = local.session = started.session
+            else:
+                try:
+                    _appended, generation = await storage.astorage_retry(
+                        lambda: record_turn_start(turn=turn, states=self.states, fence=held),
+                        what="turn_start",
+                        session=session,
+                    )
+                except services.StaleSession:
+                    await self._finish(turn, session, Stale(), 0, local=local)
+                    return
+                except LeaseLost:
+                    logger.error("lost the lease before the turn started", extra=log)
+                    return
+                except Exception:
+                    logger.exception("could not record the user message", extra=log)
+                    failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
+                    await self._finish(turn, session, failed, 0, local=local)
+                    return
+                session = await sync_to_async(Session.objects.get)(pk=session.pk)
+                local.session = session
+                if session.deleted_at is not None:
+                    await self._finish(turn, session, Stale(), generation, local=local)
+                    return
             sink = sink_for_channel(session.channel)
             if sink is not None:
                 # D4: an external platform's streaming message for this turn.
@@ -453,7 +511,7 @@ class Workers:
                 )
                 await reset_db()
         try:
-            await sync_to_async(storage.storage_retry)(
+            await storage.astorage_retry(
                 lambda: queue.after_turn_staged(
                     turn, result, fence, states=self.states, cfg=self.cfg
                 ),

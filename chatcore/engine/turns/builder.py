@@ -1,6 +1,6 @@
-"""The turn input builder (C7): system prompt + skills + memory notes + active plan (read
-concurrently) + compacted history + this turn's messages, with one runtime-context block
-appended to the last user message. Overflow recovery goes through the same assembly with a
+"""The turn input builder (C7): system prompt + skills + memory notes + active plan +
+compacted history (all read in one transaction) + this turn's messages, with one runtime-context
+block appended to the last user message. Overflow recovery goes through the same assembly with a
 tighter budget, so nothing is ever appended twice.
 
 Everything here that grows with the dialog runs in a worker thread, never on the event loop
@@ -11,7 +11,6 @@ back from the newest message until the budget is spent, so a build is linear in 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -194,14 +193,12 @@ class TurnInputBuilder:
         budget_ratio: float | None = None,
     ) -> PreparedInput:
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
-        session, history, compaction, skipped = await sync_to_async(
-            self._load_history, thread_sensitive=False
+        # G6: the whole context (dialog row with its plan, compaction, history window, memory
+        # notes) in one trip to a pool thread and one read transaction.
+        session, history, compaction, skipped, notes = await sync_to_async(
+            self._load_context, thread_sensitive=False
         )(session_pk)
-        # C7: memory and plan do not depend on each other; read them concurrently.
-        notes, plan = await asyncio.gather(
-            sync_to_async(_memory_notes, thread_sensitive=False)(session.owner_id),
-            sync_to_async(_plan, thread_sensitive=False)(session_pk),
-        )
+        plan = session.plan or ""
         # F7: conversion, counting and trimming grow with the dialog: off the event loop.
         prepared = await sync_to_async(self.assemble, thread_sensitive=False)(
             session=session,
@@ -235,31 +232,40 @@ class TurnInputBuilder:
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
 
-    def _load_history(
+    def _load_context(
         self, session_pk: str
-    ) -> tuple[Session, list[Message], Compaction | None, int]:
-        """Runs on a pool thread, not the one ORM thread that answers every client (F7)."""
+    ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
+        """Runs on a pool thread, not the one ORM thread that answers every client (F7), in
+        one read transaction."""
         try:
-            session = Session.objects.get(pk=session_pk)
-            compaction = (
-                Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
-            )
-            through = compaction.through_seq if compaction else 0
-            # F7: read only the newest messages that could fit the model's window at all; a
-            # dialog longer than that costs one summing query, not one row per message.
-            window = selectors.messages_window_start(
-                session_pk=session_pk,
-                after_seq=through,
-                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
-            )
-            skipped = 0
-            if window > through:
-                skipped = selectors.messages_count_between(
-                    session_pk=session_pk, after_seq=through, through_seq=window
+            with selectors.read_transaction():
+                session = Session.objects.get(pk=session_pk)
+                compaction = (
+                    Compaction.objects.filter(session_id=session_pk)
+                    .order_by("-through_seq")
+                    .first()
                 )
-            history = self.states.history(session, after_seq=window)
-            return session, history, compaction, skipped
+                through = compaction.through_seq if compaction else 0
+                # F7: read only the newest messages that could fit the model's window at all;
+                # a dialog longer than that costs one summing query, not one row per message.
+                window = selectors.messages_window_start(
+                    session_pk=session_pk,
+                    after_seq=through,
+                    max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+                )
+                skipped = 0
+                if window > through:
+                    skipped = selectors.messages_count_between(
+                        session_pk=session_pk, after_seq=through, through_seq=window
+                    )
+                rows = MemoryNote.objects.filter(owner_id=session.owner_id).order_by("-created_at")[
+                    :20
+                ]
+                notes = [n.content for n in reversed(list(rows))]
+                history = self.states.history(session, after_seq=window)
+            return session, history, compaction, skipped, notes
         finally:
+            # A pool thread: do not leave its connection open behind it.
             connection.close()
 
     def assemble(
@@ -349,19 +355,3 @@ class TurnInputBuilder:
             dropped_for_budget=start,
             compacted_through=through,
         )
-
-
-def _memory_notes(owner_id: int) -> list[str]:
-    try:
-        rows = MemoryNote.objects.filter(owner_id=owner_id).order_by("-created_at")[:20]
-        return [n.content for n in reversed(list(rows))]
-    finally:
-        # Runs on a pool thread; do not leave its connection open behind it.
-        connection.close()
-
-
-def _plan(session_pk: str) -> str:
-    try:
-        return Session.objects.filter(pk=session_pk).values_list("plan", flat=True).first() or ""
-    finally:
-        connection.close()

@@ -182,13 +182,9 @@ def commit_outcome(
     return CommitResult(status, reason=reason, error=error, appended=appended, notice=notice)
 
 
-def record_turn_start(
-    *, turn: Turn, states: SessionStates, fence: Lease | None = None
-) -> tuple[services.Appended | None, int]:
-    """C3: the user message enters history when its turn starts, with its received time.
-    Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
-    appended messages (None for a retry, which adds no user message) and the generation the
-    turn runs against."""
+def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedInput]]:
+    """What enters history when `turn` starts (C3, C4): its user message (a send's), then
+    the steers an earlier failed turn left staged. Returns the messages and those inputs."""
     new: list[services.NewMessage] = []
     if turn.mode == "send":
         new.append(
@@ -215,6 +211,17 @@ def record_turn_start(
                 source=dict(item.source),
             )
         )
+    return new, leftovers
+
+
+def record_turn_start(
+    *, turn: Turn, states: SessionStates, fence: Lease | None = None
+) -> tuple[services.Appended | None, int]:
+    """C3: the user message enters history when its turn starts, with its received time.
+    Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
+    appended messages (None for a retry, which adds no user message) and the generation the
+    turn runs against."""
+    new, leftovers = start_messages(turn)
 
     def mark(session: Session) -> None:
         turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)

@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -76,7 +77,7 @@ class IncomingMessage:
     received_at: datetime = field(default_factory=timezone.now)
 
 
-class PlatformClient:
+class PlatformClient(ABC):
     """Outbound calls of one platform. Raise `RetryAfter` on 429, `TargetNotFound` when the
     chat or message is gone, `DeliveryError` on any other refusal."""
 
@@ -84,19 +85,21 @@ class PlatformClient:
     # Longest message the platform takes, in characters of the rendered text.
     limit = 4096
 
-    def render(self, markdown: str) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def render(self, markdown: str) -> str: ...
 
+    @abstractmethod
     async def send(self, chat_id: str, rendered: str, *, reply_to: str | None) -> str:
         """Send a rendered message; returns its message id."""
-        raise NotImplementedError
+        ...
 
-    async def edit(self, chat_id: str, message_id: str, rendered: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def edit(self, chat_id: str, message_id: str, rendered: str) -> None: ...
 
+    @abstractmethod
     async def send_text(self, chat_id: str, text: str, *, reply_to: str | None) -> str:
         """Send plain text (no markup), e.g. a command's reply or a fallback."""
-        raise NotImplementedError
+        ...
 
     async def aclose(self) -> None:
         return None
@@ -118,13 +121,13 @@ class StreamHandle:
 PLACEHOLDER = "…"
 
 
-class StreamingSink:
+class StreamingSink(ABC):
     """The D4 sink of a platform (see `chatcore.engine.delivery.ChannelSink`)."""
 
     channel = ""
 
-    def make_client(self) -> PlatformClient:
-        raise NotImplementedError
+    @abstractmethod
+    def make_client(self) -> PlatformClient: ...
 
     def edit_interval(self) -> float:
         return float(settings.CHATAPPS[self.channel]["EDIT_INTERVAL_SECONDS"])
@@ -374,7 +377,7 @@ async def _answer_error(client: PlatformClient, message: IncomingMessage, text: 
 # --- per-process adapter state -------------------------------------------------------------
 
 
-class Adapter:
+class Adapter(ABC):
     """What a platform keeps per engine (per process): its start-up work (done once) and the
     loop that closes deliveries left open by a process that died mid-turn (D4, C11)."""
 
@@ -386,8 +389,8 @@ class Adapter:
         self.ready = False
         self._lock = asyncio.Lock()
 
-    def client(self) -> PlatformClient:
-        raise NotImplementedError
+    @abstractmethod
+    def client(self) -> PlatformClient: ...
 
     async def on_start(self) -> None:
         return None

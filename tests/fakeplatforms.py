@@ -13,6 +13,7 @@ import itertools
 import json
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,7 @@ class Failure:
     block_seconds: float = 0.0
 
 
-class FakeServer:
+class FakeServer(ABC):
     def __init__(self) -> None:
         self.calls: list[Call] = []
         self.messages: list[PlatformMessage] = []
@@ -184,14 +185,14 @@ class FakeServer:
                 return failure.response
         return await self.route(method, call)
 
-    def method_of(self, verb: str, path: str) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def method_of(self, verb: str, path: str) -> str: ...
 
-    def rate_limited(self, seconds: int) -> Response:
-        raise NotImplementedError
+    @abstractmethod
+    def rate_limited(self, seconds: int) -> Response: ...
 
-    async def route(self, method: str, call: Call) -> Response:
-        raise NotImplementedError
+    @abstractmethod
+    async def route(self, method: str, call: Call) -> Response: ...
 
 
 class FakeTelegram(FakeServer):

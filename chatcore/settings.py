@@ -133,12 +133,24 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
+    # Database threads keep their connection (`chatcore.common.dbthreads`): opening one, with
+    # its PRAGMAs, costs more than most queries.
+    _db["CONN_MAX_AGE"] = None
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
-    # Keep connections (health-checked) instead of reconnecting after every consumer frame.
-    _db["CONN_MAX_AGE"] = 60
+    # Django's connection pool (psycopg's): the database threads and request threads borrow a
+    # connection per call and give it back, so connections are reused, never opened per turn,
+    # and bounded here rather than by the thread count. Each borrow checks its connection (an
+    # empty query), so one the server ended while it sat in the pool is replaced, not handed
+    # to a read that has no retry (G5).
+    _db["CONN_MAX_AGE"] = 0
     _db["CONN_HEALTH_CHECKS"] = True
+    _db.setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 2,
+        "max_size": _env_int("CHAT_DB_POOL_SIZE", _env_int("CHAT_DB_THREADS", 6) + 6),
+        "timeout": 10,
+    }
     # One test database per process, so two test runs on one server never collide.
     _db["TEST"] = {"NAME": f"test_{_db['NAME']}_{os.getpid()}"}
 DATABASES = {"default": _db}
@@ -228,6 +240,8 @@ CHAT: dict[str, Any] = {
     "LOGIN_CHECK_SECONDS": _env_int("CHAT_LOGIN_CHECK_SECONDS", 3),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
+    # G6/F7: threads that run the engine's and the async views' database calls side by side.
+    "DB_THREADS": _env_int("CHAT_DB_THREADS", 6),
     "MAX_STEPS": _env_int("CHAT_MAX_STEPS", 8),
     "SKILLS_DIR": os.environ.get("CHAT_SKILLS_DIR", str(BASE_DIR / "skills")),
     "EXTRA_TOOLS": [t for t in os.environ.get("CHAT_EXTRA_TOOLS", "").split(",") if t],

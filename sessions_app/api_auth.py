@@ -1,7 +1,7 @@
 """Who is calling the REST API (F2): a bearer token, or the browser's Django session.
 
 Both authenticators are async (django-ninja awaits them in async operations) and reach the
-ORM only through `sync_to_async` / `request.auser()` (STYLE 6). An `Authorization` header
+ORM only through `on_db` / `request.auser()` (STYLE 6). An `Authorization` header
 always decides alone: a bad or revoked token answers 401 and never falls back to a cookie.
 The session authenticator checks CSRF on unsafe methods, because django-ninja's views are
 csrf-exempt at the middleware level and leave that check to cookie-based auth.
@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from functools import wraps
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.contrib.auth.views import redirect_to_login
@@ -22,6 +21,8 @@ from django.utils.translation import gettext as _
 from ninja.errors import HttpError
 from ninja.security import APIKeyCookie, HttpBearer
 from ninja.utils import check_csrf
+
+from chatcore.common.dbthreads import on_db
 
 from .auth import bearer_from_header, token_for_raw, user_for_token
 from .logins import Login, login_for_session, login_for_token
@@ -47,7 +48,7 @@ class BearerTokenAuth(HttpBearer):
         return self.authenticate(request, raw)
 
     async def authenticate(self, request: HttpRequest, token: str) -> User | None:
-        found = await sync_to_async(token_for_raw)(token)
+        found = await on_db(token_for_raw)(token)
         if found is None:
             return None
         request.chat_login = login_for_token(found.user, found.pk)  # type: ignore[attr-defined]

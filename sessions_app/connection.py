@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from channels.db import database_sync_to_async
 from channels.layers import BaseChannelLayer
 from django.contrib.auth.models import User
 from django.utils import timezone
 
 from chatcore.common import publish
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import ChatError, ShuttingDown
 from chatcore.engine import commands
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
@@ -178,9 +178,7 @@ class ChannelConnection:
         """B3: run one slash command on `target`; one that changes the dialog is refused on
         a dialog read-only for this user."""
         if commands.writes_dialog(text):
-            await database_sync_to_async(selectors.dialog_check_writable)(
-                user_id=self.user.pk, session=target
-            )
+            await on_db(selectors.dialog_check_writable)(user_id=self.user.pk, session=target)
         ctx = commands.CommandContext(
             owner=self.user,
             channel=self.channel,
@@ -206,6 +204,4 @@ class ChannelConnection:
         )
 
     async def _check_writable(self, target: Session) -> None:
-        await database_sync_to_async(selectors.dialog_check_writable)(
-            user_id=self.user.pk, session=target
-        )
+        await on_db(selectors.dialog_check_writable)(user_id=self.user.pk, session=target)

@@ -17,8 +17,6 @@ import logging
 from typing import Any
 from urllib.parse import parse_qs
 
-from asgiref.sync import sync_to_async
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.http.cookie import parse_cookie
@@ -26,6 +24,7 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from chatcore.common import events
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 from chatcore.engine import commands, runtime
@@ -115,7 +114,7 @@ class ChatConsumer(ChatEventsConsumer):
         with translation.override(self.language):
             # D3: join the fan-out before reading any state, so nothing falls in between.
             await self.conn.join_chat()
-            current = await database_sync_to_async(self.conn.resolve_or_latest)(requested)
+            current = await on_db(self.conn.resolve_or_latest)(requested)
             await self.accept()
             await self.conn.follow(current)
             await self._send_sessions()
@@ -133,17 +132,13 @@ class ChatConsumer(ChatEventsConsumer):
     async def _unregister(self) -> None:
         if self.registered:
             self.registered = False
-            await sync_to_async(self.engine.sockets.close, thread_sensitive=False)(
-                self.scope["user"].pk, self.channel_name
-            )
+            await on_db(self.engine.sockets.close)(self.scope["user"].pk, self.channel_name)
 
     async def _register(self, user: User) -> bool:
         """F7: count this socket among the user's open ones; past the bound, refuse it with
         a `rate_limited` error frame and close code 4429."""
         limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
-        opened = await sync_to_async(self.engine.sockets.open, thread_sensitive=False)(
-            user.pk, self.channel_name, limit
-        )
+        opened = await on_db(self.engine.sockets.open)(user.pk, self.channel_name, limit)
         if opened:
             self.registered = True
             return True
@@ -218,16 +213,16 @@ class ChatConsumer(ChatEventsConsumer):
         if raw is not None and raw_session is not None:
             raise BadRequest(_("Name a dialog by dialog_id or by session_id, not both."))
         if raw_session is not None:
-            target = await database_sync_to_async(self._session_target)(raw_session)
+            target = await on_db(self._session_target)(raw_session)
         elif raw is not None:
             dialog_id = validate_part(raw, field="dialog_id")
-            target = await database_sync_to_async(selectors.dialog_get)(
+            target = await on_db(selectors.dialog_get)(
                 owner_id=self.user.pk, channel=CHANNEL, chat_id=self.chat_id, dialog_id=dialog_id
             )
         else:
             if self.current_gone:
                 assert self.conn is not None
-                await self._move(await database_sync_to_async(self.conn.resolve)())
+                await self._move(await on_db(self.conn.resolve)())
             target = self.current
         assert target is not None
         return target

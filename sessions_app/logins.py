@@ -30,7 +30,6 @@ from importlib import import_module
 from typing import Any
 
 from asgiref.sync import async_to_sync
-from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth import HASH_SESSION_KEY, get_user_model, user_logged_out
@@ -38,6 +37,8 @@ from django.db import transaction
 from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
+
+from chatcore.common.dbthreads import on_db
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class LoginWatch:
         if not current:
             return
         try:
-            ended = await database_sync_to_async(ended_logins)(current.values())
+            ended = await on_db(ended_logins)(current.values())
         except Exception:
             logger.warning("login re-check failed", exc_info=True)
             return

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TypeVar
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, close_old_connections, connection
 from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import StorageError
 
 from .models import Session
@@ -82,7 +82,7 @@ async def astorage_retry(
     while True:
         token = _ATTEMPT_ONLY.set(True)
         try:
-            return await sync_to_async(operation)()
+            return await on_db(operation)()
         except IntegrityError:
             raise
         except DatabaseError as exc:
@@ -94,7 +94,7 @@ async def astorage_retry(
                     extra={"attempt": attempt + 1, "session_id": _sid(session)},
                 )
                 await asyncio.sleep(delays[attempt] / 1000)
-                await sync_to_async(reset_broken_connection)()
+                await on_db(reset_broken_connection)()
                 attempt += 1
                 continue
             logger.error(

@@ -23,10 +23,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from channels.auth import AuthMiddlewareStack
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.http.request import split_domain_port, validate_host
+
+from chatcore.common.dbthreads import on_db
 
 from .auth import bearer_from_header, token_for_raw
 from .logins import login_for_session, login_for_token
@@ -120,7 +121,7 @@ class ChatAuthMiddleware:
             return await self.inner(scope, receive, send)
         raw = bearer_from_header(_header(scope, b"authorization"))
         if raw is not None:
-            token = await database_sync_to_async(token_for_raw)(raw)
+            token = await on_db(token_for_raw)(raw)
             if token is None:
                 scope = dict(scope, user=AnonymousUser(), auth=None, login=None)
             else:

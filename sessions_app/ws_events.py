@@ -17,11 +17,11 @@ import logging
 from collections import deque
 from typing import Any
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.contrib.auth.models import User
 
 from chatcore.common import publish
+from chatcore.common.dbthreads import on_db
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
 from chatcore.engine.engine import Engine
@@ -97,7 +97,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
 
     async def _send_sessions(self, client_msg_id: str | None = None) -> None:
         assert self.user is not None
-        frame = await database_sync_to_async(sessions_frame)(
+        frame = await on_db(sessions_frame)(
             owner_id=self.user.pk,
             channel=CHANNEL,
             chat_id=self.chat_id,
@@ -137,7 +137,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             kwargs["before_seq"] = before_seq
         if limit is not None:
             kwargs["limit"] = limit
-        frame = await database_sync_to_async(session_history_frame)(**kwargs)
+        frame = await on_db(session_history_frame)(**kwargs)
         if before_seq is None:
             self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
             if self.conn is not None and self.current is not None and session.pk == self.current.pk:
@@ -255,7 +255,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             )
             return frame, True, remaining[0] if remaining else None
 
-        frame, gone, replacement = await database_sync_to_async(read)()
+        frame, gone, replacement = await on_db(read)()
         if replacement is not None:
             await self._move(replacement)
             return

@@ -42,13 +42,17 @@ def require_service(env_name: str, what: str) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_sync_thread_connections(django_db_setup: None) -> Iterator[None]:
-    """Async tests run ORM calls on asgiref's single sync thread; close its connection before
-    the test database is dropped (PostgreSQL refuses to drop a database in use)."""
+    """Async tests run ORM calls on asgiref's single sync thread and on the database threads;
+    close their connections before the test database is dropped (PostgreSQL refuses to drop a
+    database in use)."""
     yield
     from asgiref.sync import SyncToAsync
     from django.db import connections
 
+    from chatcore.common import dbthreads
+
     SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
+    dbthreads.close_all()
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from asgiref.sync import sync_to_async
 
-from chatcore.common import publish
+from chatcore.common import dbthreads, publish
 from chatcore.engine.engine import Engine, Inbound
 from sessions_app import services
 from sessions_app.models import Message, Session, Turn
@@ -45,3 +46,21 @@ async def history(session: Session) -> list[Message]:
 
 async def turn(turn_id: str) -> Turn:
     return await sync_to_async(Turn.objects.get)(pk=turn_id)
+
+
+async def wrap_engine_statements(wrapper: Any) -> None:
+    """Install a statement wrapper (`connection.execute_wrapper` style) on the connection of
+    every thread the engine's database calls run on."""
+    from django.db import connection
+
+    await asyncio.to_thread(
+        dbthreads.on_every_thread, lambda: connection.execute_wrappers.append(wrapper)
+    )
+
+
+async def unwrap_engine_statements(wrapper: Any) -> None:
+    from django.db import connection
+
+    await asyncio.to_thread(
+        dbthreads.on_every_thread, lambda: connection.execute_wrappers.remove(wrapper)
+    )

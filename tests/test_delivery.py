@@ -11,13 +11,18 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import OperationalError, connection
+from django.db import OperationalError
 from django.test import override_settings
 
 from chatcore.common import publish
 from chatcore.engine.delivery import DeliveryError, TargetNotFound, Terminal
 from sessions_app import services
-from tests.engine_helpers import chat_group_of, send
+from tests.engine_helpers import (
+    chat_group_of,
+    send,
+    unwrap_engine_statements,
+    wrap_engine_statements,
+)
 from tests.fakemodel import Reply
 from tests.test_engine_turns import streamed, terminals
 
@@ -197,7 +202,7 @@ async def test_persistence_failure_never_sends_the_answer(
             raise OperationalError("injected")
         return execute(sql, params, many, context)
 
-    await sync_to_async(lambda: connection.execute_wrappers.append(fail_writes))()
+    await wrap_engine_statements(fail_writes)
     try:
         with override_settings(CHAT={**settings.CHAT, "STORAGE_RETRY_DELAYS_MS": [1, 1, 1]}):
             gate = threading.Event()
@@ -212,7 +217,7 @@ async def test_persistence_failure_never_sends_the_answer(
             done = (await terminals(rec, [ack.turn_id]))[ack.turn_id]
             await engine.wait_idle()
     finally:
-        await sync_to_async(lambda: connection.execute_wrappers.remove(fail_writes))()
+        await unwrap_engine_statements(fail_writes)
     assert done["status"] == "failed"
     assert all("secret unsaved answer" not in t.text for t in sink.finishes)
     assert all("secret unsaved answer" not in p for p in sink.plain)

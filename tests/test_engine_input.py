@@ -8,13 +8,21 @@ import threading
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import OperationalError, connection
+from django.db import OperationalError
 
 from chatcore.common import publish
 from chatcore.engine.turns.builder import RUNTIME_MARKER, SYSTEM_PROMPT
 from sessions_app import services
 from sessions_app.models import MemoryNote
-from tests.engine_helpers import chat_group_of, history, make_dialog, send, turn
+from tests.engine_helpers import (
+    chat_group_of,
+    history,
+    make_dialog,
+    send,
+    turn,
+    unwrap_engine_statements,
+    wrap_engine_statements,
+)
 from tests.fakemodel import Reply
 from tests.test_engine_turns import (
     chat_cfg,
@@ -129,8 +137,8 @@ async def test_persistence_failure_is_never_reported_as_completed(
             raise OperationalError("injected: disk full")
         return execute(sql, params, many, context)
 
-    # The engine's ORM calls run on asgiref's single sync thread; install the failure there.
-    await sync_to_async(lambda: connection.execute_wrappers.append(fail_assistant_writes))()
+    # The engine's ORM calls run on the database threads; install the failure there.
+    await wrap_engine_statements(fail_assistant_writes)
     try:
         with chat_cfg(STORAGE_RETRY_DELAYS_MS=[1, 1, 1]):
             gate = threading.Event()
@@ -141,7 +149,7 @@ async def test_persistence_failure_is_never_reported_as_completed(
             gate.set()
             frames = await rec.until(lambda f: f["type"] == "turn_updated")
     finally:
-        await sync_to_async(lambda: connection.execute_wrappers.remove(fail_assistant_writes))()
+        await unwrap_engine_statements(fail_assistant_writes)
     done = frames[-1]
     assert done["turn_id"] == ack.turn_id
     assert done["status"] == "failed" and done["error"]["kind"] == "turn_persistence"

@@ -10,11 +10,16 @@ import threading
 from typing import Any
 
 import pytest
-from asgiref.sync import sync_to_async
-from django.db import OperationalError, connection
+from django.db import OperationalError
 from django.db.backends.utils import CursorWrapper
 
-from tests.engine_helpers import history, make_dialog, send
+from tests.engine_helpers import (
+    history,
+    make_dialog,
+    send,
+    unwrap_engine_statements,
+    wrap_engine_statements,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
@@ -47,8 +52,8 @@ async def test_another_dialogs_stop_and_send_are_answered_while_a_write_is_retri
                     raise OperationalError("injected: database is locked")
         return execute(sql, params, many, context)
 
-    # The engine's queue writes run on asgiref's single sync thread; install the failure there.
-    await sync_to_async(lambda: connection.execute_wrappers.append(fail_once))()
+    # The engine's queue writes run on the database threads; install the failure there.
+    await wrap_engine_statements(fail_once)
     try:
         slow_send = asyncio.ensure_future(send(engine, slow, "kept after a retry"))
         assert await asyncio.to_thread(failed.wait, 30)
@@ -58,7 +63,7 @@ async def test_another_dialogs_stop_and_send_are_answered_while_a_write_is_retri
         order.append("other dialog: send answered")
         slow_ack = await asyncio.wait_for(slow_send, 60)
     finally:
-        await sync_to_async(lambda: connection.execute_wrappers.remove(fail_once))()
+        await unwrap_engine_statements(fail_once)
     assert order == [
         "slow dialog: write attempt",
         "other dialog: stop answered",

@@ -287,6 +287,54 @@ async def test_one_user_runs_at_most_four_turns_and_others_still_start(
     assert len(fake_model.requests) == 11
 
 
+async def test_a_slow_history_read_in_one_dialog_does_not_hold_up_a_stop_in_another(
+    make_engine: Any, fake_model: Any, user: Any, other_user: Any, monkeypatch: Any
+) -> None:
+    # covers: F7, G6, C6 (database calls of independent dialogs run on separate threads)
+    from sessions_app import ws_events
+
+    model_gate = threading.Event()
+    fake_model.default = lambda body: Reply(text="a long answer", chunk=2, gate=model_gate)
+    engine = await make_engine()
+    runtime.set_engine(engine)
+    entered, release = threading.Event(), threading.Event()
+    real_history = ws_events.session_history_frame
+    slow_dialog: list[str] = []
+
+    def slow_history(**kwargs: Any) -> dict[str, Any]:
+        if kwargs["session"].pk in slow_dialog:
+            entered.set()
+            release.wait(60)  # the read hangs until the test lets it go
+        return real_history(**kwargs)
+
+    try:
+        alice = await ws_connect(user)
+        bob = await ws_connect(other_user)
+        await bob.send({"type": "send", "content": "talk for a while", "client_msg_id": "b1"})
+        await bob.until(lambda f: f["type"] == "turn_snapshot", timeout=30)
+
+        slow_dialog.append((await make_dialog(user, "slow")).pk)
+        monkeypatch.setattr(ws_events, "session_history_frame", slow_history)
+        await alice.send({"type": "history", "dialog_id": "slow", "client_msg_id": "h1"})
+        assert await asyncio.to_thread(entered.wait, 10), "the history read did not start"
+
+        # Bob's stop goes through while Alice's read still holds its database thread.
+        await bob.send({"type": "stop", "client_msg_id": "stop-1"})
+        frames = await bob.until(lambda f: f["type"] == "turn_updated", timeout=30)
+        assert frames[-1]["status"] == "cancelled" and frames[-1]["reason"] == "stopped"
+        assert not release.is_set()
+
+        release.set()
+        page = await alice.until(lambda f: f.get("client_msg_id") == "h1", timeout=30)
+        assert page[-1]["type"] == "session_history"
+        await alice.close()
+        await bob.close()
+    finally:
+        release.set()
+        model_gate.set()
+        runtime.set_engine(None)
+
+
 async def test_the_running_turn_cap_holds_across_processes(
     make_engine: Any, fake_model: Any, recorder: Any, user: Any
 ) -> None:

@@ -12,11 +12,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, UnknownCommand
 from chatcore.common.ids import validate_part
 from sessions_app import selectors, services
@@ -130,7 +130,7 @@ def _line(session: Session, current: Session | None) -> str:
 
 @command("new", usage="/new [title]", help=gettext_lazy("Start a new dialog"), takes_args=True)
 async def _new(ctx: CommandContext, args: str) -> CommandResult:
-    session = await sync_to_async(services.session_create)(
+    session = await on_db(services.session_create)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, title=args or None
     )
     return CommandResult(
@@ -143,7 +143,7 @@ async def _new(ctx: CommandContext, args: str) -> CommandResult:
 
 @command("sessions", usage="/sessions", help=gettext_lazy("List the 10 most recent dialogs"))
 async def _sessions(ctx: CommandContext, args: str) -> CommandResult:
-    items = await sync_to_async(selectors.dialog_list_for_chat)(
+    items = await on_db(selectors.dialog_list_for_chat)(
         owner_id=ctx.owner.pk, channel=ctx.channel, chat_id=ctx.chat_id, limit=10
     )
     if not items:
@@ -163,7 +163,7 @@ async def _switch(ctx: CommandContext, args: str) -> CommandResult:
         raise BadRequest(_("Usage: /switch <dialog_id>"))
     dialog_id = validate_part(args, field="dialog_id")
     # B1: switching to a dialog that does not exist is an error, never a creation.
-    session = await sync_to_async(selectors.dialog_get)(
+    session = await on_db(selectors.dialog_get)(
         owner_id=ctx.owner.pk, channel=ctx.channel, chat_id=ctx.chat_id, dialog_id=dialog_id
     )
     return CommandResult(
@@ -185,7 +185,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if not args:
         raise BadRequest(_("Usage: /rename <title>"))
-    session = await sync_to_async(services.session_rename)(session=session, title=args)
+    session = await on_db(services.session_rename)(session=session, title=args)
     return CommandResult(
         "rename",
         _("Renamed to: %(title)s") % {"title": session.title},
@@ -198,7 +198,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     await delete_dialog(engine=ctx.engine, session=session, by=ctx.owner)
-    current = await sync_to_async(dialog_after_delete)(
+    current = await on_db(dialog_after_delete)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id
     )
     return CommandResult(
@@ -220,7 +220,7 @@ async def _info(ctx: CommandContext, args: str) -> CommandResult:
         running = selectors.turn_running(session_pk=session.pk) is not None
         return fresh, queued, running
 
-    fresh, queued, running = await sync_to_async(gather)()
+    fresh, queued, running = await on_db(gather)()
     lines = [
         _("Dialog: %(id)s") % {"id": fresh.dialog_id},
         _("Session: %(sid)s") % {"sid": fresh.session_id},
@@ -258,13 +258,13 @@ async def _stop(ctx: CommandContext, args: str) -> CommandResult:
 async def _compact(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if ctx.engine is not None:
-        await sync_to_async(ctx.engine.scheduler.schedule)(
+        await on_db(ctx.engine.scheduler.schedule)(
             "compact_session", session_pk=session.pk, manual=True
         )
     else:
         from . import background
 
-        await sync_to_async(background.request_compaction)(session_pk=session.pk, manual=True)
+        await on_db(background.request_compaction)(session_pk=session.pk, manual=True)
     return CommandResult("compact", _("Compaction started; you will be told when it is done."))
 
 

@@ -10,10 +10,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from chatcore.common import publish
+from chatcore.common.dbthreads import on_db
 from sessions_app import services
 
 from . import queue
@@ -78,17 +78,17 @@ async def sweep_loop(engine: ControlHandler) -> None:
     last_evict = time.monotonic()
     while True:
         try:
-            for pk in await sync_to_async(queue.orphaned_sessions)(scope=engine.scope, cfg=cfg):
+            for pk in await on_db(queue.orphaned_sessions)(scope=engine.scope, cfg=cfg):
                 await engine.kick(pk)
             if settings.SCALED:
-                await sync_to_async(engine.refresh_sockets, thread_sensitive=False)()
+                await on_db(engine.refresh_sockets)()
             if (
                 not settings.SCALED
                 and time.monotonic() - last_evict >= cfg["CLEANUP_INTERVAL_SECONDS"]
             ):
                 last_evict = time.monotonic()
                 engine.evict_idle()
-                await sync_to_async(services.sessions_purge_expired)()
+                await on_db(services.sessions_purge_expired)()
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
 from chatcore.common import publish
+from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, services
 from sessions_app.models import Session
 
@@ -33,11 +33,11 @@ async def delete_dialog(*, engine: Engine | None, session: Session, by: User | N
     through the engines' control group. `by` is who deleted it (None: the system)."""
     if engine is not None:
         await engine.cancel_for_delete(session)
-        await sync_to_async(services.session_soft_delete)(session=session)
+        await on_db(services.session_soft_delete)(session=session)
     else:
-        running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
+        running = await on_db(selectors.turn_running)(session_pk=session.pk)
         # The soft delete flags the running turn in its own transaction (C9) ...
-        await sync_to_async(services.session_soft_delete)(session=session)
+        await on_db(services.session_soft_delete)(session=session)
         if running is not None:
             # ... and this wakes it wherever it runs, rather than at its next checkpoint.
             await _signal_cancel(str(running.pk))

@@ -24,12 +24,12 @@ import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
+from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, storage
 from sessions_app.models import Session, TurnStatus
 
@@ -206,9 +206,9 @@ class Engine:
 
     async def cancel_for_delete(self, session: Session) -> None:
         """Before a delete: the running turn is cancelled and will find itself stale (C9)."""
-        running = await sync_to_async(selectors.turn_running)(session_pk=session.pk)
+        running = await on_db(selectors.turn_running)(session_pk=session.pk)
         if running is not None:
-            await sync_to_async(queue.request_cancel)(running.pk)
+            await on_db(queue.request_cancel)(running.pk)
             await self.signal_cancel(str(running.pk))
 
     async def signal_cancel(self, turn_id: str) -> None:

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.contrib.auth.models import User
 from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import ngettext
 
 from chatcore.common import events
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, ReadOnlyDialog, ShuttingDown, TooLarge
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, storable_text
 from sessions_app import selectors
@@ -130,7 +130,7 @@ async def check_inbound(
     if (
         external
         and inbound.channel != session.channel
-        and not await sync_to_async(selectors.external_write_allowed)(
+        and not await on_db(selectors.external_write_allowed)(
             user_id=inbound.owner.pk, session=session
         )
     ):

@@ -11,13 +11,12 @@ import asyncio
 import logging
 import re
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
-from django.db import connection
 from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
+from chatcore.common.dbthreads import on_db
 from sessions_app import services, turn_services
 from sessions_app.models import Compaction, Message, MessageKind, Session, TitleSource
 
@@ -105,11 +104,11 @@ async def generate_title(*, session_pk: str, provider: ChatProvider | None = Non
     try:
         return await _generate_title(session_pk, provider)
     finally:
-        await sync_to_async(cache.delete)(guard_key("generate_title", session_pk))
+        await on_db(cache.delete)(guard_key("generate_title", session_pk))
 
 
 async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str | None:
-    captured = await sync_to_async(_title_input)(session_pk)
+    captured = await on_db(_title_input)(session_pk)
     if captured is None:
         return None
     messages, _version = captured
@@ -121,9 +120,7 @@ async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str
         if not title:
             logger.warning("title generation returned nothing", extra={"session_id": session_pk})
             return None
-        session = await sync_to_async(services.title_commit_if_default)(
-            session_pk=session_pk, title=title
-        )
+        session = await on_db(services.title_commit_if_default)(session_pk=session_pk, title=title)
         return session.title if session is not None else None
     except asyncio.CancelledError:
         raise
@@ -171,16 +168,6 @@ def _compaction_input(session_pk: str) -> tuple[list[dict[str, str]], int, int] 
     return messages, through, session.generation
 
 
-def _compaction_input_off_thread(
-    session_pk: str,
-) -> tuple[list[dict[str, str]], int, int] | None:
-    try:
-        return _compaction_input(session_pk)
-    finally:
-        # A pool thread: do not leave its connection open behind it.
-        connection.close()
-
-
 async def compact_session(
     *, session_pk: str, manual: bool = False, provider: ChatProvider | None = None
 ) -> int | None:
@@ -189,15 +176,15 @@ async def compact_session(
     try:
         return await _compact_session(session_pk, manual, provider)
     finally:
-        await sync_to_async(cache.delete)(guard_key("compact_session", session_pk))
+        await on_db(cache.delete)(guard_key("compact_session", session_pk))
 
 
 async def _compact_session(
     session_pk: str, manual: bool, provider: ChatProvider | None
 ) -> int | None:
     # F7: reading a long history is not done on the one ORM thread that answers clients.
-    captured = await sync_to_async(_compaction_input_off_thread, thread_sensitive=False)(session_pk)
-    session = await sync_to_async(Session.objects.filter(pk=session_pk).first)()
+    captured = await on_db(_compaction_input)(session_pk)
+    session = await on_db(Session.objects.filter(pk=session_pk).first)()
     if captured is None:
         if manual and session is not None:
             await publish.apublish(
@@ -226,7 +213,7 @@ async def _compact_session(
             await provider.aclose()
     if not summary:
         return None
-    committed = await sync_to_async(turn_services.compaction_commit)(
+    committed = await on_db(turn_services.compaction_commit)(
         session_pk=session_pk, through=through, generation=generation, summary=summary
     )
     if committed is None:

@@ -32,6 +32,7 @@ from django.db import connection
 from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
@@ -77,10 +78,9 @@ def _write_message() -> str:
 
 
 async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
-    from asgiref.sync import sync_to_async
 
     # The cache, not the ORM: keep it off the single database thread.
-    await sync_to_async(charge, thread_sensitive=False)(user_id, budget, cfg)
+    await on_db(charge)(user_id, budget, cfg)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------

@@ -1,6 +1,6 @@
 """The durable per-dialog FIFO (C1, C2, C4-C6, C11): every Turn, StagedInput and lease write.
 
-Synchronous, ORM-only functions, called through `sync_to_async` by the engine. Queue changes
+Synchronous, ORM-only functions, run by the engine on the database threads (`on_db`). Queue changes
 serialise on the dialog's row lock (`lock_live`); writes made while running a dialog's queue
 carry its lease and check its epoch in the same transaction (G2, `lease.Lease.check`).
 """

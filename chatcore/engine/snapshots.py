@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.db import DatabaseError
 
 from chatcore.common import events, publish
+from chatcore.common.dbthreads import on_db
 from sessions_app.models import Session
 
 from . import queue
@@ -118,7 +118,7 @@ async def checkpoint_loop(
             return
         text = local.snapshot.text
         try:
-            cancel = await sync_to_async(queue.checkpoint)(
+            cancel = await on_db(queue.checkpoint)(
                 local.turn_id, None if text == written else text, local.lease
             )
         except LeaseLost:

@@ -19,8 +19,9 @@ from datetime import UTC, datetime
 from importlib import import_module
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
+
+from chatcore.common.dbthreads import on_db
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class ToolRegistry:
             if inspect.iscoroutinefunction(tool.fn):
                 result = await tool.fn(ctx, **args)
             else:
-                result = await sync_to_async(tool.fn)(ctx, **args)
+                result = await on_db(tool.fn)(ctx, **args)
         except TypeError as exc:
             return False, f"error: {exc}"
         except Exception:

@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.db import DatabaseError
 
 from chatcore.common import events, publish
-from chatcore.common.errors import ShuttingDown
+from chatcore.common.dbthreads import on_db
+from chatcore.common.errors import ShuttingDown, StorageError
 from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
 
@@ -34,7 +34,13 @@ from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
 from .tools import ToolContext, ToolRegistry
 from .turns.builder import RuntimeInfo, TurnInputBuilder
-from .turns.committer import CommitResult, commit_outcome, record_turn_start, take_staged
+from .turns.committer import (
+    CommitResult,
+    commit_outcome,
+    commit_persistence_failure,
+    record_turn_start,
+    take_staged,
+)
 from .turns.outcome import (
     Cancelled,
     Completed,
@@ -51,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 async def reset_db() -> None:
     try:
-        await sync_to_async(storage.reset_broken_connection)()
+        await on_db(storage.reset_broken_connection)()
     except Exception:
         logger.exception("could not reset the database connection")
 
@@ -104,7 +110,7 @@ class Workers:
         if worker is not None and not worker.done():
             self._wakeups[session_pk].set()
             return
-        held = await sync_to_async(self._acquire)(session_pk)
+        held = await on_db(self._acquire)(session_pk)
         if held is None:
             return
         worker = self.tasks.get(session_pk)
@@ -120,7 +126,7 @@ class Workers:
             )
         except ShuttingDown:
             self._leases.pop(session_pk, None)
-            await sync_to_async(queue.release_lease)(held)
+            await on_db(queue.release_lease)(held)
 
     def running(self, session_pk: str) -> bool:
         """Whether this process has a worker for the dialog now."""
@@ -144,7 +150,7 @@ class Workers:
             # The turn stays marked running; the next holder of the lease closes it (C11).
             self._leases.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
-            await sync_to_async(queue.release_lease)(started.lease)
+            await on_db(queue.release_lease)(started.lease)
 
     def _announce(self, appended: services.Appended, turn: Turn) -> None:
         session = appended.session
@@ -169,7 +175,7 @@ class Workers:
         )
         try:
             if first is None:
-                await sync_to_async(queue.recover_interrupted)(
+                await on_db(queue.recover_interrupted)(
                     session_pk, held, states=self.states, running_here=set(self.local)
                 )
             else:
@@ -188,19 +194,19 @@ class Workers:
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
-                await sync_to_async(queue.release_lease)(held)
+                await on_db(queue.release_lease)(held)
                 if turn is queue.HELD_BACK:
                     # F7: the owner runs the most turns allowed. The queue waits, leaseless,
                     # until one of the owner's turns ends (`_start_waiting`, any process) or
                     # the sweep; a kick that came meanwhile means a slot may be free now.
                     if wake.is_set():
-                        again = await sync_to_async(self._acquire)(session_pk)
+                        again = await on_db(self._acquire)(session_pk)
                         if again is not None:
                             held = self._leases[session_pk] = again
                             continue
                     break
-                if await sync_to_async(queue.has_queued)(session_pk) or wake.is_set():
-                    again = await sync_to_async(self._acquire)(session_pk)
+                if await on_db(queue.has_queued)(session_pk) or wake.is_set():
+                    again = await on_db(self._acquire)(session_pk)
                     if again is not None:
                         held = self._leases[session_pk] = again
                         continue
@@ -216,7 +222,7 @@ class Workers:
             self._leases.pop(session_pk, None)
             if not held.released and not held.lost:
                 try:
-                    await asyncio.shield(sync_to_async(queue.release_lease)(held))
+                    await asyncio.shield(on_db(queue.release_lease)(held))
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
@@ -232,7 +238,7 @@ class Workers:
             if held is None or held.released or held.lost:
                 continue
             try:
-                if await sync_to_async(queue.renew_lease)(held):
+                if await on_db(queue.renew_lease)(held):
                     continue
             except Exception:
                 logger.exception("lease renewal failed", extra={"session_id": session_pk})
@@ -255,9 +261,7 @@ class Workers:
         if self.closing:
             return
         try:
-            waiting = await sync_to_async(queue.waiting_dialogs)(
-                turn, scope=self.scope, cfg=self.cfg
-            )
+            waiting = await on_db(queue.waiting_dialogs)(turn, scope=self.scope, cfg=self.cfg)
         except Exception:
             logger.exception("could not list dialogs waiting for a slot")
             return
@@ -299,7 +303,7 @@ class Workers:
                     failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
                     await self._finish(turn, session, failed, 0, local=local)
                     return
-                session = await sync_to_async(Session.objects.get)(pk=session.pk)
+                session = await on_db(Session.objects.get)(pk=session.pk)
                 local.session = session
                 if session.deleted_at is not None:
                     await self._finish(turn, session, Stale(), generation, local=local)
@@ -336,7 +340,7 @@ class Workers:
                 await self._schedule_compaction(session.pk)
 
             async def fetch_staged() -> list[Any]:
-                return await sync_to_async(take_staged)(turn=turn, fence=held)
+                return await on_db(take_staged)(turn=turn, fence=held)
 
             runner = TurnRunner(
                 provider=self.provider,
@@ -361,9 +365,7 @@ class Workers:
             self.local.pop(turn_id, None)
 
     async def _schedule_compaction(self, session_pk: str) -> None:
-        await sync_to_async(self.scheduler.schedule)(
-            "compact_session", session_pk=session_pk, manual=False
-        )
+        await on_db(self.scheduler.schedule)("compact_session", session_pk=session_pk, manual=False)
 
     async def _run_cancellable(
         self, local: LocalTurn, runner: TurnRunner, prepared: Any
@@ -446,13 +448,26 @@ class Workers:
         fence = local.lease
         assert fence is not None
         try:
-            result = await sync_to_async(commit_outcome)(
-                turn=turn,
-                outcome=outcome,
-                base_generation=generation,
-                states=self.states,
-                fence=fence,
+            # A4, G6: the backoff between attempts waits on the loop, not on a database thread.
+            result = await storage.astorage_retry(
+                functools.partial(
+                    commit_outcome,
+                    turn=turn,
+                    outcome=outcome,
+                    base_generation=generation,
+                    states=self.states,
+                    fence=fence,
+                ),
+                what="turn_commit",
+                session=session,
             )
+        except StorageError:
+            # C9/C10: not saved after every retry: the turn ends failed, not completed.
+            try:
+                result = await on_db(commit_persistence_failure)(turn_pk=turn.pk, fence=fence)
+            except LeaseLost:
+                logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
+                return
         except LeaseLost:
             # G2: the dialog's new holder ends this turn; a stale holder commits, publishes
             # and delivers nothing.
@@ -500,10 +515,8 @@ class Workers:
                 await local.delivery.finish(terminal)
         if result.status == TurnStatus.COMPLETED:
             try:
-                if await sync_to_async(jobs.title_due)(session_pk=session.pk):
-                    await sync_to_async(self.scheduler.schedule)(
-                        "generate_title", session_pk=session.pk
-                    )
+                if await on_db(jobs.title_due)(session_pk=session.pk):
+                    await on_db(self.scheduler.schedule)("generate_title", session_pk=session.pk)
             except DatabaseError:
                 # A title is scheduled again after the next turn; the queue must go on.
                 logger.warning(

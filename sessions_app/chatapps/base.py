@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import ChatError, InternalError, StorageError
 from chatcore.engine import commands
 from chatcore.engine.delivery import DeliveryError, Terminal, fallback_text
@@ -143,7 +143,7 @@ class StreamingSink(ABC):
             raise
         turn_id = str(target.get("turn_id") or "")
         if turn_id:
-            await sync_to_async(store.delivery_record)(
+            await on_db(store.delivery_record)(
                 turn_id=turn_id,
                 channel=self.channel,
                 chat_id=target["chat_id"],
@@ -181,7 +181,7 @@ class StreamingSink(ABC):
         """The final edit: the whole answer (continued in further messages when longer than
         the platform allows), or the partial with a short note for a stop or failure."""
         if handle.turn_id and not handle.claimed:
-            if not await sync_to_async(store.delivery_claim)(turn_id=handle.turn_id):
+            if not await on_db(store.delivery_claim)(turn_id=handle.turn_id):
                 await handle.client.aclose()
                 return  # another process already showed this turn's end
             handle.claimed = True
@@ -268,7 +268,7 @@ async def _handle(
 ) -> str:
     text = message.text.strip()
     try:
-        ctx = await sync_to_async(store.chat_context)(
+        ctx = await on_db(store.chat_context)(
             channel=message.channel,
             chat_id=message.chat_id,
             is_group=message.is_group,
@@ -287,15 +287,15 @@ async def _handle(
             # B3: refused during shutdown like a send (the same path as the web chat's).
             result = await run_command(engine, cmd, text)
             if result.current is not None:
-                await sync_to_async(store.chat_set_current)(
+                await on_db(store.chat_set_current)(
                     chat=ctx.chat, dialog_id=result.current.dialog_id
                 )
             if claim is not None:
-                await sync_to_async(store.event_accept)(claim)
+                await on_db(store.event_accept)(claim)
             await client.send_text(message.chat_id, result.content, reply_to=message.message_id)
             return "command"
         mode = "send"
-        if message.reply_to_message_id and await sync_to_async(store.running_turn_of_message)(
+        if message.reply_to_message_id and await on_db(store.running_turn_of_message)(
             channel=message.channel,
             chat_id=message.chat_id,
             message_id=message.reply_to_message_id,
@@ -342,7 +342,7 @@ async def settle_event(claim: store.EventClaim | None) -> None:
     if claim is None:
         return
     try:
-        await sync_to_async(store.event_accept)(claim)
+        await on_db(store.event_accept)(claim)
     except store.EventAlreadyAccepted:
         pass
     except Exception as exc:
@@ -353,7 +353,7 @@ async def _release(claim: store.EventClaim | None) -> None:
     if claim is None:
         return
     try:
-        await sync_to_async(store.event_release)(claim)
+        await on_db(store.event_release)(claim)
     except Exception as exc:
         # The claim then times out (store.EVENT_CLAIM_TIMEOUT) and a redelivery takes it.
         logger.warning("could not give a chat app event back: %s", type(exc).__name__)
@@ -419,7 +419,7 @@ class Adapter(ABC):
                 if time.monotonic() - last_purge >= EVENT_PURGE_INTERVAL:
                     # Platforms redeliver for hours, not weeks: old event ids can go.
                     last_purge = time.monotonic()
-                    await sync_to_async(store.events_purge)(older_than=EVENT_KEEP)
+                    await on_db(store.events_purge)(older_than=EVENT_KEEP)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -429,9 +429,9 @@ class Adapter(ABC):
     async def reconcile(self, grace: timedelta = ORPHAN_GRACE) -> int:
         """Show the terminal of turns whose streaming message a dead process left open."""
         done = 0
-        rows = await sync_to_async(store.deliveries_orphaned)(channel=self.channel, grace=grace)
+        rows = await on_db(store.deliveries_orphaned)(channel=self.channel, grace=grace)
         for delivery, turn, partial in rows:
-            if not await sync_to_async(store.delivery_claim)(turn_id=str(turn.pk)):
+            if not await on_db(store.delivery_claim)(turn_id=str(turn.pk)):
                 continue
             status = turn.status if turn.status in ("completed", "cancelled") else "failed"
             terminal = Terminal(status=status, text=partial, error_message=turn.error_message)

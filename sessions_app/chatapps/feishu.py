@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from chatcore.common.dbthreads import on_db
 from chatcore.engine.delivery import DeliveryError, TargetNotFound
 from chatcore.engine.engine import Engine
 
@@ -272,7 +272,7 @@ class FeishuAdapter(Adapter):
             text = text.replace(key, "" if is_bot else f"@{mention.get('name', '')}")
         text = " ".join(text.split()) if not text.lstrip().startswith("/") else text.strip()
         parent = message.get("parent_id") or None
-        replied = bool(parent) and await sync_to_async(store.is_bot_message)(
+        replied = bool(parent) and await on_db(store.is_bot_message)(
             channel=CHANNEL, chat_id=str(chat_id), message_id=str(parent)
         )
         return IncomingMessage(
@@ -294,7 +294,7 @@ class FeishuAdapter(Adapter):
             return "invalid"
         if header.get("event_type") != "im.message.receive_v1":
             return "ignored"
-        claim = await sync_to_async(store.event_take)(channel=CHANNEL, event_id=event_id)
+        claim = await on_db(store.event_take)(channel=CHANNEL, event_id=event_id)
         if claim is None:
             return "duplicate"
         message = await self.parse(event)

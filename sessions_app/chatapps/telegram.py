@@ -22,9 +22,9 @@ import logging
 from typing import Any
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from chatcore.common.dbthreads import on_db
 from chatcore.engine import commands
 from chatcore.engine.delivery import DeliveryError, TargetNotFound
 from chatcore.engine.engine import Engine
@@ -214,7 +214,7 @@ class TelegramAdapter(Adapter):
         update_id = update.get("update_id")
         if not isinstance(update_id, int):
             return "invalid"
-        claim = await sync_to_async(store.event_take)(channel=CHANNEL, event_id=str(update_id))
+        claim = await on_db(store.event_take)(channel=CHANNEL, event_id=str(update_id))
         if claim is None:
             return "duplicate"
         message = self.parse(update)

@@ -18,10 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection
 
+from chatcore.common.dbthreads import on_db
 from sessions_app import selectors
 from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
 
@@ -195,12 +194,10 @@ class TurnInputBuilder:
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
         # G6: the whole context (dialog row with its plan, compaction, history window, memory
         # notes) in one trip to a pool thread and one read transaction.
-        session, history, compaction, skipped, notes = await sync_to_async(
-            self._load_context, thread_sensitive=False
-        )(session_pk)
+        session, history, compaction, skipped, notes = await on_db(self._load_context)(session_pk)
         plan = session.plan or ""
         # F7: conversion, counting and trimming grow with the dialog: off the event loop.
-        prepared = await sync_to_async(self.assemble, thread_sensitive=False)(
+        prepared = await on_db(self.assemble)(
             session=session,
             history=history,
             compaction=compaction,
@@ -235,38 +232,30 @@ class TurnInputBuilder:
     def _load_context(
         self, session_pk: str
     ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
-        """Runs on a pool thread, not the one ORM thread that answers every client (F7), in
-        one read transaction."""
-        try:
-            with selectors.read_transaction():
-                session = Session.objects.get(pk=session_pk)
-                compaction = (
-                    Compaction.objects.filter(session_id=session_pk)
-                    .order_by("-through_seq")
-                    .first()
+        """Runs on a database thread (`on_db`), beside other dialogs' calls (F7), in one read
+        transaction."""
+        with selectors.read_transaction():
+            session = Session.objects.get(pk=session_pk)
+            compaction = (
+                Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
+            )
+            through = compaction.through_seq if compaction else 0
+            # F7: read only the newest messages that could fit the model's window at all;
+            # a dialog longer than that costs one summing query, not one row per message.
+            window = selectors.messages_window_start(
+                session_pk=session_pk,
+                after_seq=through,
+                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+            )
+            skipped = 0
+            if window > through:
+                skipped = selectors.messages_count_between(
+                    session_pk=session_pk, after_seq=through, through_seq=window
                 )
-                through = compaction.through_seq if compaction else 0
-                # F7: read only the newest messages that could fit the model's window at all;
-                # a dialog longer than that costs one summing query, not one row per message.
-                window = selectors.messages_window_start(
-                    session_pk=session_pk,
-                    after_seq=through,
-                    max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
-                )
-                skipped = 0
-                if window > through:
-                    skipped = selectors.messages_count_between(
-                        session_pk=session_pk, after_seq=through, through_seq=window
-                    )
-                rows = MemoryNote.objects.filter(owner_id=session.owner_id).order_by("-created_at")[
-                    :20
-                ]
-                notes = [n.content for n in reversed(list(rows))]
-                history = self.states.history(session, after_seq=window)
-            return session, history, compaction, skipped, notes
-        finally:
-            # A pool thread: do not leave its connection open behind it.
-            connection.close()
+            rows = MemoryNote.objects.filter(owner_id=session.owner_id).order_by("-created_at")[:20]
+            notes = [n.content for n in reversed(list(rows))]
+            history = self.states.history(session, after_seq=window)
+        return session, history, compaction, skipped, notes
 
     def assemble(
         self,

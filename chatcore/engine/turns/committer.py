@@ -164,22 +164,27 @@ def commit_outcome(
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
         return CommitResult(TurnStatus.CANCELLED, reason="stale")
     except StorageError:
-        # C9/C10: the answer was not saved, so it is not reported as completed.
-        failure = {
-            "kind": str(FailureKind.TURN_PERSISTENCE),
-            "message": present_failure(FailureKind.TURN_PERSISTENCE),
-        }
-        _finish_turn_durably(
-            turn.pk,
-            None,
-            fence,
-            status=TurnStatus.FAILED,
-            error_kind=failure["kind"],
-            error_message=failure["message"],
-        )
-        return CommitResult(TurnStatus.FAILED, error=failure)
+        return commit_persistence_failure(turn_pk=turn.pk, fence=fence)
     states.apply_appended(appended)
     return CommitResult(status, reason=reason, error=error, appended=appended, notice=notice)
+
+
+def commit_persistence_failure(*, turn_pk: Any, fence: Lease | None = None) -> CommitResult:
+    """C9/C10: the answer could not be saved, so the turn is not reported as completed: it
+    ends failed (recorded when the database lets it)."""
+    failure = {
+        "kind": str(FailureKind.TURN_PERSISTENCE),
+        "message": present_failure(FailureKind.TURN_PERSISTENCE),
+    }
+    _finish_turn_durably(
+        turn_pk,
+        None,
+        fence,
+        status=TurnStatus.FAILED,
+        error_kind=failure["kind"],
+        error_message=failure["message"],
+    )
+    return CommitResult(TurnStatus.FAILED, error=failure)
 
 
 def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedInput]]:

@@ -10,12 +10,12 @@ import sys
 import uuid
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
+from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import ChatError
 from chatcore.common.ids import owner_chat_id, validate_part
 from chatcore.engine import commands, runtime
@@ -62,7 +62,7 @@ class Terminal:
                 layer=layer,
                 reply_channel=await layer.new_channel("cli."),
             )
-            current = await sync_to_async(conn.resolve)(self.dialog_id, create=True)
+            current = await on_db(conn.resolve)(self.dialog_id, create=True)
             await conn.join_chat()
             await conn.follow(current)
             listener = engine.supervisor.spawn("cli-listen", self._listen(conn), daemon=True)

@@ -1,0 +1,93 @@
+"""The database threads: where async code runs its ORM calls (F7, G6).
+
+Django's async ORM story (`sync_to_async` with its default `thread_sensitive=True`) runs every
+call of the process on one thread, so one dialog's slow history read or a storage write
+waiting out a lock holds up `/stop`, admission and every other dialog behind it. Async code
+here runs its database work through `on_db(fn)(...)` instead: a small pool of threads
+(`CHAT["DB_THREADS"]`), so calls of independent dialogs run side by side. Calls of one dialog
+still run one after another, because the coroutine that makes them awaits each.
+
+Connections: every thread keeps its own. On SQLite it stays open (`CONN_MAX_AGE=None`: opening
+one costs more than most queries); on PostgreSQL it goes back to Django's connection pool
+(`OPTIONS["pool"]`, psycopg's pool) after each call, so the pool, not the thread count, is
+what bounds the server's connections. A connection left broken by an error is dropped either
+way, so the next call connects again (G5). A call never leaves a transaction open behind it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import connections
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+
+
+def thread_count() -> int:
+    return max(1, int(settings.CHAT.get("DB_THREADS", 6)))
+
+
+def executor() -> ThreadPoolExecutor:
+    """The process's database threads (created on first use)."""
+    global _executor
+    if _executor is None:
+        with _lock:
+            if _executor is None:
+                _executor = ThreadPoolExecutor(
+                    max_workers=thread_count(), thread_name_prefix="chat-db"
+                )
+    return _executor
+
+
+def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """`fn` as a coroutine function that runs on one of the database threads."""
+    return sync_to_async(functools.partial(_call, fn), thread_sensitive=False, executor=executor())
+
+
+def _call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_connections()
+
+
+def release_connections() -> None:
+    """After a call: hand a pooled connection back, drop a broken one, keep the rest."""
+    for conn in connections.all(initialized_only=True):
+        if not conn.in_atomic_block:
+            conn.close_if_unusable_or_obsolete()
+
+
+def on_every_thread(fn: Callable[[], object]) -> None:
+    """Run `fn` once on each database thread and wait (closing connections before the test
+    database is dropped; installing a statement wrapper in a test). Blocks: call it from
+    synchronous code or through `asyncio.to_thread`."""
+    count = thread_count()
+    barrier = threading.Barrier(count, timeout=10)
+
+    def run_here() -> None:
+        fn()
+        # Hold this thread until every thread has run `fn`, so each one runs it once.
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+
+    for future in [executor().submit(run_here) for _ in range(count)]:
+        future.result(timeout=15)
+
+
+def close_all() -> None:
+    """Close every database thread's connection (before the test database is dropped)."""
+    if _executor is not None:
+        on_every_thread(connections.close_all)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import connections
 
@@ -50,7 +50,13 @@ def executor() -> ThreadPoolExecutor:
 
 
 def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
-    """`fn` as a coroutine function that runs on one of the database threads."""
+    """`fn` as a coroutine function that runs on one of the database threads.
+
+    Called under `async_to_sync` from a synchronous caller (an admin action, a management
+    command, a Celery task), it runs on that caller's thread instead, as Django's own
+    `sync_to_async` does: the call then sees the caller's connection and open transaction."""
+    if getattr(AsyncToSync.executors, "current", None) is not None:
+        return sync_to_async(fn, thread_sensitive=True)
     return sync_to_async(functools.partial(_call, fn), thread_sensitive=False, executor=executor())
 
 

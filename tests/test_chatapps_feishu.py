@@ -26,6 +26,7 @@ from django.test import AsyncClient, override_settings
 from chatcore.engine import runtime
 from chatcore.engine.engine import Engine
 from sessions_app.models import ChannelChat, ChannelEvent, Message, Session, Turn
+from tests.engine_helpers import unwrap_engine_statements, wrap_engine_statements
 from tests.fakemodel import Reply
 from tests.fakeplatforms import (
     FEISHU_APP_ID,
@@ -250,16 +251,15 @@ async def test_an_event_whose_turn_could_not_be_stored_is_handled_on_redelivery(
 ) -> None:
     # covers: D5, C2, A4 (exactly once: the event is marked handled with its turn)
     from tests.storage_helpers import FailStatements
-    from tests.test_chatapps_telegram import _with_failing
 
     app = await app_with(STORAGE_RETRY_DELAYS_MS=[1])
     event = app.event("keep me")
     fail = FailStatements(Turn._meta.db_table, "INSERT", failures=1000)
-    wrapper = await _with_failing(fail)
+    await wrap_engine_statements(fail)
     try:
         refused = await app.post(event)
     finally:
-        await sync_to_async(wrapper.__exit__)(None, None, None)
+        await unwrap_engine_statements(fail)
     # A non-2xx answer makes Feishu deliver the event again; nothing was stored or answered.
     assert refused.status_code == 503 and refused.json()["result"] == "retry"
     assert await turns() == [] and app.answers_to(event) == []

@@ -26,6 +26,7 @@ from sessions_app.models import (
     Session,
     Turn,
 )
+from tests.engine_helpers import unwrap_engine_statements, wrap_engine_statements
 from tests.fakeplatforms import BOT_USERNAME, FakeTelegram
 from tests.telegram_helpers import (
     WEBHOOK,
@@ -79,18 +80,6 @@ async def test_a_redelivered_update_is_never_a_second_turn(bot: Bot) -> None:
     assert len(await turns()) == 1
 
 
-async def _with_failing(fail: Any) -> Any:
-    """Install an execute wrapper on the connection of the thread the ORM calls run in."""
-    from django.db import connection
-
-    def install() -> Any:
-        wrapper = connection.execute_wrapper(fail)
-        wrapper.__enter__()
-        return wrapper
-
-    return await sync_to_async(install)()
-
-
 async def test_an_update_whose_turn_could_not_be_stored_is_handled_on_redelivery(
     bot_with: Any, fake_model
 ) -> None:
@@ -100,11 +89,11 @@ async def test_an_update_whose_turn_could_not_be_stored_is_handled_on_redelivery
     bot = await bot_with(STORAGE_RETRY_DELAYS_MS=[1, 2])
     update = bot.fake.update("do not lose me")
     fail = FailStatements(Turn._meta.db_table, "INSERT", failures=1000)
-    wrapper = await _with_failing(fail)
+    await wrap_engine_statements(fail)
     try:
         response = await bot.post(update)
     finally:
-        await sync_to_async(wrapper.__exit__)(None, None, None)
+        await unwrap_engine_statements(fail)
     assert fail.attempts == 3
     # Nothing was accepted: the platform is told to deliver it again, the user sees no error.
     assert response.status_code == 503 and response.json()["result"] == "retry"
@@ -151,7 +140,7 @@ async def test_polling_fetches_an_update_again_when_it_could_not_be_stored(
     update = bot.fake.update("polled while the disk hiccups")
     bot.fake.queue_update(update)
     fail = FailStatements(Turn._meta.db_table, "INSERT", failures=2)
-    wrapper = await _with_failing(fail)
+    await wrap_engine_statements(fail)
     stop = asyncio.Event()
     poller = asyncio.ensure_future(telegram.poll(bot.engine, stop=stop, timeout=1))
     try:
@@ -159,7 +148,7 @@ async def test_polling_fetches_an_update_again_when_it_could_not_be_stored(
     finally:
         stop.set()
         await asyncio.wait_for(poller, 10)
-        await sync_to_async(wrapper.__exit__)(None, None, None)
+        await unwrap_engine_statements(fail)
     await bot.idle()
     assert fail.attempts == 3
     assert [t.content for t in await turns()] == ["polled while the disk hiccups"]

@@ -70,7 +70,10 @@ def _call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 def release_connections() -> None:
     """After a call: hand a pooled connection back, drop a broken one, keep the rest."""
     for conn in connections.all(initialized_only=True):
-        if not conn.in_atomic_block:
+        if conn.connection is None or conn.in_atomic_block:
+            continue
+        # A pooled connection has a close time (now: CONN_MAX_AGE=0); a kept one has none.
+        if conn.errors_occurred or conn.close_at is not None:
             conn.close_if_unusable_or_obsolete()
 
 

@@ -134,6 +134,7 @@ class Engine:
             if settings.SCALED:
                 self.supervisor.spawn("layer-watch", self.layer_watch.run(layer), daemon=True)
         self.supervisor.spawn("sweep", control.sweep_loop(self), daemon=True)
+        self.workers.start()
         # Load the tokenizer's tables now, off the loop, not in the first turn's build.
         await asyncio.to_thread(lambda: self.builder.counter)
 

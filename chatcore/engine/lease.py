@@ -3,10 +3,12 @@
 A process runs a dialog's turns only while it holds the dialog's lease: `Session.lease_owner`
 names the process, `lease_expires_at` says until when, and `lease_epoch` is a fencing token
 that grows by one at every acquisition. Every write made for a turn runs `Lease.check()` (or
-`Lease.guard()` on a row it has already locked) inside its own transaction: the session row is
-locked and the write goes on only while owner and epoch are still this lease's. A process
-that lost its lease (frozen, partitioned, slow) therefore writes nothing, and since events
-are published only after such a write commits, it publishes nothing either.
+`Lease.guard()` on a row it has already locked, or `check_all()` for the batched checkpoint
+of all the process's turns) inside its own transaction: the session row is locked and the
+write goes on only while owner and epoch are still this lease's. A process that lost its
+lease (frozen, partitioned, slow) therefore writes nothing, and since events are published
+only after such a write commits, it publishes nothing either. Renewal is batched too: one
+fenced UPDATE extends every lease the process holds (`renew_all`).
 
 The expiry time is a hint for other processes ("take it over, nobody renewed it"), never a
 proof of ownership: the holder trusts its own clock only to keep quiet (`trusted`), and
@@ -16,10 +18,13 @@ trusts the database to go on writing.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from django.db import connection
+from django.db.models import Q
 from django.utils import timezone
 
 from sessions_app.models import Session
@@ -99,18 +104,78 @@ def acquire(session_pk: str, *, owner: str, seconds: float) -> Lease | None:
     return Lease(session_pk, owner, int(row[0]), seconds, confirmed_at=started)
 
 
-def renew(lease: Lease) -> bool:
-    """Extend the lease if owner and epoch are unchanged; False (and `lost`) otherwise. An
-    expired lease nobody took over is still ours: nobody else can have written."""
-    started = time.monotonic()
-    renewed = Session.objects.filter(
-        pk=lease.session_pk, lease_owner=lease.owner, lease_epoch=lease.epoch
-    ).update(lease_expires_at=timezone.now() + timedelta(seconds=lease.seconds))
-    if renewed:
-        lease.confirmed_at = started
-    else:
-        lease.lost = True
-    return bool(renewed)
+# Leases per statement in the batched check and renewal: three parameters each stays well
+# under SQLite's default limit of 999 bound parameters.
+CHUNK = 300
+
+
+def _chunks(items: Sequence[Lease]) -> Iterator[Sequence[Lease]]:
+    for start in range(0, len(items), CHUNK):
+        yield items[start : start + CHUNK]
+
+
+def check_all(leases: Iterable[Lease]) -> None:
+    """`check()` for many leases at once, inside the caller's transaction: lock, in one
+    statement (per CHUNK leases) and in primary-key order, the session rows still held at
+    each lease's owner and epoch. Every other lease is marked `lost`; the caller writes
+    nothing for it. Leases already known lost are not asked about again (an epoch only
+    grows)."""
+    wanted = {(h.session_pk, h.owner, h.epoch): h for h in leases if not h.lost}
+    held: set[tuple[str, str, int]] = set()
+    for part in _chunks(list(wanted.values())):
+        condition = Q()
+        for h in part:
+            condition |= Q(pk=h.session_pk, lease_owner=h.owner, lease_epoch=h.epoch)
+        rows = (
+            Session.objects.select_for_update()
+            .filter(condition)
+            .order_by("pk")
+            .values_list("pk", "lease_owner", "lease_epoch")
+        )
+        held.update((pk, owner, int(epoch)) for pk, owner, epoch in rows)
+    for key, h in wanted.items():
+        if key not in held:
+            h.lost = True
+
+
+def renew_all(leases: Iterable[Lease]) -> list[Lease]:
+    """Extend every lease this process holds in one statement (per owner, lease period and
+    CHUNK leases): an UPDATE fenced by owner and epoch that returns the rows it renewed.
+    Each renewed lease is confirmed as of just before the statement; every other one was
+    taken over and is marked `lost` and returned. Released or lost leases are skipped (an
+    expired lease nobody took over is still ours: nobody else can have written). A database
+    error propagates and marks nothing: the caller retries at its next beat."""
+    groups: dict[tuple[str, float], list[Lease]] = {}
+    for h in leases:
+        if not h.released and not h.lost:
+            groups.setdefault((h.owner, h.seconds), []).append(h)
+    table = connection.ops.quote_name(Session._meta.db_table)
+    adapt = connection.ops.adapt_datetimefield_value
+    lost: list[Lease] = []
+    for (owner, seconds), group in groups.items():
+        for part in _chunks(group):
+            started = time.monotonic()
+            expires = adapt(timezone.now() + timedelta(seconds=seconds))
+            fenced = " OR ".join(["(id = %s AND lease_epoch = %s)"] * len(part))
+            params: list[Any] = [expires, owner]
+            for h in part:
+                params += [h.session_pk, h.epoch]
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"UPDATE {table} SET lease_expires_at = %s "  # noqa: S608
+                    f"WHERE lease_owner = %s AND ({fenced}) RETURNING id, lease_epoch",
+                    params,
+                )
+                renewed = {(str(pk), int(epoch)) for pk, epoch in cursor.fetchall()}
+            for h in part:
+                if (h.session_pk, h.epoch) in renewed:
+                    h.confirmed_at = started
+                elif not h.released:
+                    # A lease released while the statement ran is not lost: its release
+                    # cleared the owner first.
+                    h.lost = True
+                    lost.append(h)
+    return lost
 
 
 def release(lease: Lease) -> None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Case, F, Q, TextField, Value, When
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -385,9 +385,10 @@ def acquire_lease(session_pk: str, *, owner: str, cfg: dict[str, Any]) -> Lease 
     return lease.acquire(session_pk, owner=owner, seconds=cfg["LEASE_SECONDS"])
 
 
-def renew_lease(held: Lease) -> bool:
-    """Extend the lease; False when another process took the dialog over (G2)."""
-    return lease.renew(held)
+def renew_leases(held: list[Lease]) -> list[Lease]:
+    """Extend all the given leases in one statement; the ones another process took over
+    come back, marked lost (G2)."""
+    return lease.renew_all(held)
 
 
 def release_lease(held: Lease) -> None:
@@ -516,15 +517,59 @@ def after_turn_staged(
                 StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
 
 
-def checkpoint(turn_id: str, text: str | None, held: Lease | None) -> bool:
-    """C11: store the partial text (when it changed) under the lease; True when a stop was
-    requested from elsewhere."""
+@dataclass
+class Checkpoint:
+    """One running turn in a checkpoint pass: its partial text when it changed since its
+    last checkpoint (None: unchanged), and the lease it runs under."""
+
+    turn_id: str
+    text: str | None
+    held: Lease | None
+
+
+@dataclass
+class CheckpointPass:
+    """What a pass found: turns whose lease was taken over (nothing was written for them)
+    and turns with a stop requested from elsewhere."""
+
+    lost: set[str]
+    cancel: set[str]
+
+
+# Turns per UPDATE/SELECT of a pass (two or three parameters each, under SQLite's 999).
+CHECKPOINT_CHUNK = 300
+
+
+def checkpoint_all(items: list[Checkpoint]) -> CheckpointPass:
+    """C11, G2: checkpoint every running turn of the process in one transaction with a
+    constant number of statements (one of each per CHECKPOINT_CHUNK turns): lock the leased
+    sessions still held at their epochs (`lease.check_all`), write the changed partial texts
+    in one UPDATE (a CASE on the turn id) of running turns that passed the fence, and read
+    which of them have a stop requested from elsewhere."""
     with transaction.atomic():
-        if held is not None:
-            held.check()
-        if text is not None:
-            Turn.objects.filter(pk=turn_id).update(partial_text=text)
-        return bool(Turn.objects.filter(pk=turn_id, cancel_requested=True).exists())
+        lease.check_all(i.held for i in items if i.held is not None)
+        lost = {i.turn_id for i in items if i.held is not None and i.held.lost}
+        live = [i for i in items if i.turn_id not in lost]
+        changed = [i for i in live if i.text is not None]
+        for start in range(0, len(changed), CHECKPOINT_CHUNK):
+            part = changed[start : start + CHECKPOINT_CHUNK]
+            Turn.objects.filter(pk__in=[i.turn_id for i in part], status=TurnStatus.RUNNING).update(
+                partial_text=Case(
+                    *[When(pk=i.turn_id, then=Value(i.text)) for i in part],
+                    default=F("partial_text"),
+                    output_field=TextField(),
+                )
+            )
+        cancel: set[str] = set()
+        for start in range(0, len(live), CHECKPOINT_CHUNK):
+            ids = [i.turn_id for i in live[start : start + CHECKPOINT_CHUNK]]
+            cancel.update(
+                str(pk)
+                for pk in Turn.objects.filter(pk__in=ids, cancel_requested=True).values_list(
+                    "pk", flat=True
+                )
+            )
+    return CheckpointPass(lost=lost, cancel=cancel)
 
 
 def orphaned_sessions(*, scope: Any, cfg: dict[str, Any]) -> list[str]:

@@ -3,14 +3,15 @@ its checkpoints to the turn record (C11).
 
 Snapshots are coalesced to at most SNAPSHOT_FPS frames a second and carry only the new tail
 of the text, so bytes grow with the answer; checkpoints write the partial text at most every
-CHECKPOINT_SECONDS, never per token, and pick up a stop requested from another process.
+CHECKPOINT_SECONDS, never per token, and pick up a stop requested from another process: one
+pass, one transaction, for all the turns of the process (`checkpoint_loop`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from sessions_app.models import Session
 
 from . import queue
 from .delivery import DeliveryHandle
-from .lease import Lease, LeaseLost
+from .lease import Lease
 from .turns.runner import TurnSnapshot
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class LocalTurn:
     delivery: DeliveryHandle | None = None
     ended: bool = False
     lease: Lease | None = None
+    # C11: the partial text as of this turn's last successful checkpoint.
+    checkpointed: str = ""
 
     @property
     def may_speak(self) -> bool:
@@ -107,28 +110,46 @@ async def flush_snapshot(local: LocalTurn) -> None:
 
 
 async def checkpoint_loop(
-    local: LocalTurn, *, interval: float, reset_db: Callable[[], Awaitable[None]]
+    turns: Mapping[str, LocalTurn],
+    *,
+    interval: float,
+    reset_db: Callable[[], Awaitable[None]],
 ) -> None:
-    """C11: the partial text goes to the turn record at most every `interval` seconds (never
-    to messages, never per token); the same round trip picks up a stop from elsewhere."""
-    written = ""
-    while not local.ended:
+    """C11: every `interval` seconds, one checkpoint pass for all the turns this process runs
+    (`turns`, by turn id): a single task per process, not one per turn."""
+    while True:
         await asyncio.sleep(interval)
-        if local.ended:
-            return
+        await checkpoint_pass(list(turns.values()), reset_db=reset_db)
+
+
+async def checkpoint_pass(
+    turns: list[LocalTurn], *, reset_db: Callable[[], Awaitable[None]]
+) -> None:
+    """One transaction for all running turns (`queue.checkpoint_all`): the partial text of
+    each turn whose text changed since its last checkpoint goes to its turn record (never to
+    messages, never per token); a turn whose lease was taken over writes nothing and is
+    cancelled (G2); a stop requested from elsewhere reaches its turn (C6 fallback). A
+    database error is logged and the pass is tried again at the next beat (G5)."""
+    running = [local for local in turns if not local.ended]
+    if not running:
+        return
+    items = []
+    for local in running:
         text = local.snapshot.text
-        try:
-            cancel = await on_db(queue.checkpoint)(
-                local.turn_id, None if text == written else text, local.lease
-            )
-        except LeaseLost:
+        changed = None if text == local.checkpointed else text
+        items.append((local, text, queue.Checkpoint(local.turn_id, changed, local.lease)))
+    try:
+        found = await on_db(queue.checkpoint_all)([item for _l, _t, item in items])
+    except DatabaseError:
+        # G5: try again at the next beat on a fresh connection.
+        logger.warning("checkpoint failed", extra={"turns": len(items)})
+        await reset_db()
+        return
+    for local, text, _item in items:
+        if local.turn_id in found.lost:
             logger.error("lost the lease during a turn", extra={"turn_id": local.turn_id})
-            cancel = True
-        except DatabaseError:
-            # G5: try again at the next beat on a fresh connection.
-            logger.warning("checkpoint failed", extra={"turn_id": local.turn_id})
-            await reset_db()
+            local.cancel.set()
             continue
-        written = text
-        if cancel:
+        local.checkpointed = text
+        if local.turn_id in found.cancel:
             local.cancel.set()

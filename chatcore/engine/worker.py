@@ -2,10 +2,11 @@
 queued turns one at a time, run each (builder -> runner -> committer) and finish it.
 
 Turns of one dialog never overlap, across processes too: a worker runs only while it holds
-the dialog's lease (`lease.Lease`), renewed every third of its period. Every write of a turn
-checks the lease's epoch in its own transaction, and a lost renewal cancels the turn at once
-(G2). Delivery to an external sink is handed to the sink relay and never awaited here (D4):
-a slow or broken sink does not hold up the dialog's queue.
+the dialog's lease (`lease.Lease`), renewed every third of its period (one statement for all
+the dialogs of the process, `_renew_loop`). Every write of a turn checks the lease's epoch in
+its own transaction, and a lost renewal cancels the turn at once (G2).
+Delivery to an external sink is handed to the sink relay and never awaited here (D4): a
+slow or broken sink does not hold up the dialog's queue.
 """
 
 from __future__ import annotations
@@ -98,6 +99,18 @@ class Workers:
     def closing(self) -> bool:
         return self.supervisor.closing
 
+    def start(self) -> None:
+        """The process's housekeeping, one task each for all its dialogs and turns: lease
+        renewal and checkpoints (daemons: they stop with the engine)."""
+        self.supervisor.spawn("leases", self._renew_loop(), daemon=True)
+        self.supervisor.spawn(
+            "checkpoints",
+            snapshots.checkpoint_loop(
+                self.local, interval=self.cfg["CHECKPOINT_SECONDS"], reset_db=reset_db
+            ),
+            daemon=True,
+        )
+
     def _acquire(self, session_pk: str) -> Lease | None:
         return queue.acquire_lease(session_pk, owner=self.process_id, cfg=self.cfg)
 
@@ -170,9 +183,6 @@ class Workers:
     async def _worker(self, session_pk: str, first: queue.Started | None = None) -> None:
         wake = self._wakeups[session_pk]
         held = self._leases[session_pk]
-        renew = self.supervisor.spawn(
-            f"lease:{session_pk}", self._renew_loop(session_pk), daemon=True
-        )
         try:
             if first is None:
                 await on_db(queue.recover_interrupted)(
@@ -216,7 +226,6 @@ class Workers:
             # G2: another process took the dialog over; it runs the queue from here on.
             logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
         finally:
-            renew.cancel()
             self.tasks.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
             self._leases.pop(session_pk, None)
@@ -226,26 +235,28 @@ class Workers:
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
-    async def _renew_loop(self, session_pk: str) -> None:
-        """Renew the dialog's lease every third of its period. A renewal that finds the
-        lease taken over cancels the local turn at once (its upstream stream closes) and its
-        writes fail their fencing check (G2). A renewal that fails on the database retries;
-        the lease is lost only when the database says so."""
+    async def _renew_loop(self) -> None:
+        """Every third of the lease period, renew all the leases this process holds in one
+        statement (`queue.renew_leases`). A lease found taken over cancels its dialog's local
+        turn at once (its upstream stream closes) and its writes fail their fencing check
+        (G2). A renewal that fails on the database is tried again at the next beat; a lease is
+        lost only when the database says so."""
         interval = self.cfg["LEASE_SECONDS"] / 3
         while True:
             await asyncio.sleep(interval)
-            held = self._leases.get(session_pk)
-            if held is None or held.released or held.lost:
+            held = [h for h in self._leases.values() if not h.released and not h.lost]
+            if not held:
                 continue
             try:
-                if await on_db(queue.renew_lease)(held):
-                    continue
+                lost = await on_db(queue.renew_leases)(held)
             except Exception:
-                logger.exception("lease renewal failed", extra={"session_id": session_pk})
+                logger.exception("lease renewal failed", extra={"leases": len(held)})
                 await reset_db()
                 continue
-            logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
-            self._lease_lost(session_pk)
+            for gone in lost:
+                logger.error("lost the lease of a dialog", extra={"session_id": gone.session_pk})
+                if self._leases.get(gone.session_pk) is gone:
+                    self._lease_lost(gone.session_pk)
 
     def _lease_lost(self, session_pk: str) -> None:
         for local in self.local.values():
@@ -378,11 +389,6 @@ class Workers:
                 local, fps=self.cfg["SNAPSHOT_FPS"], spawn=self.supervisor.spawn
             )
         )
-        heartbeat = loop.create_task(
-            snapshots.checkpoint_loop(
-                local, interval=self.cfg["CHECKPOINT_SECONDS"], reset_db=reset_db
-            )
-        )
         try:
             # F7: a turn has an overall deadline; a model that trickles cannot hold the
             # dialog's lease and a model slot forever.
@@ -428,7 +434,7 @@ class Workers:
             # must never wait on them for long.
             local.ended = True
             local.snapshot.changed.set()
-            helpers = (cancel_wait, publisher, heartbeat)
+            helpers = (cancel_wait, publisher)
             for task in helpers:
                 task.cancel()
             _done, stuck = await asyncio.wait(helpers, timeout=5)

@@ -31,15 +31,15 @@ async def delete_dialog(*, engine: Engine | None, session: Session, by: User | N
     `engine` is this process's engine when the caller runs in its loop (a channel); without
     one (an operator's admin request), the cancel reaches whichever engine runs the turn
     through the engines' control group. `by` is who deleted it (None: the system)."""
-    if engine is not None:
-        await engine.cancel_for_delete(session)
-        await on_db(services.session_soft_delete)(session=session)
-    else:
-        running = await on_db(selectors.turn_running)(session_pk=session.pk)
-        # The soft delete flags the running turn in its own transaction (C9) ...
-        await on_db(services.session_soft_delete)(session=session)
-        if running is not None:
-            # ... and this wakes it wherever it runs, rather than at its next checkpoint.
+    running = await on_db(selectors.turn_running)(session_pk=session.pk)
+    # The soft delete flags the running turn in its own transaction (C9), before the turn is
+    # woken: whenever it commits, it finds itself stale and writes nothing ...
+    await on_db(services.session_soft_delete)(session=session)
+    if running is not None:
+        # ... and this wakes it wherever it runs, rather than at its next checkpoint.
+        if engine is not None:
+            await engine.signal_cancel(str(running.pk))
+        else:
             await _signal_cancel(str(running.pk))
     logger.info(
         "dialog deleted",

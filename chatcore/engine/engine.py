@@ -29,8 +29,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import on_db
-from sessions_app import selectors, storage
+from sessions_app import storage
 from sessions_app.models import Session, TurnStatus
 
 from . import control, limits, queue, snapshots
@@ -204,13 +203,6 @@ class Engine:
         if running is not None:
             await self.signal_cancel(str(running.pk))
         return StopResult(stopped_running=running is not None, dropped=len(dropped))
-
-    async def cancel_for_delete(self, session: Session) -> None:
-        """Before a delete: the running turn is cancelled and will find itself stale (C9)."""
-        running = await on_db(selectors.turn_running)(session_pk=session.pk)
-        if running is not None:
-            await on_db(queue.request_cancel)(running.pk)
-            await self.signal_cancel(str(running.pk))
 
     async def signal_cancel(self, turn_id: str) -> None:
         local = self.local.get(turn_id)

@@ -90,6 +90,8 @@ class Workers:
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._leases: dict[str, Lease] = {}
+        # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
+        self.lingering: set[str] = set()
 
     @property
     def closing(self) -> bool:
@@ -189,7 +191,7 @@ class Workers:
                     await self._run_turn(turn, held)
                     self._wake_waiting(turn)
                     continue
-                if turn is None and await self._linger(wake):
+                if turn is None and await self._linger(session_pk, wake):
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
@@ -225,18 +227,28 @@ class Workers:
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
-    async def _linger(self, wake: asyncio.Event) -> bool:
+    async def _linger(self, session_pk: str, wake: asyncio.Event) -> bool:
         """The queue is empty: keep the lease a moment (`LINGER_SECONDS`) for a send of this
         process that follows the answer at once (a script, a chat app's burst, the next line
         of a paste). Its kick wakes us and its turn is claimed with one round trip, instead
-        of waiting for this lease's release and a new acquisition. False when none came."""
+        of waiting for this lease's release and a new acquisition. False when none came.
+        Meanwhile the dialog counts as idle (`busy`)."""
         if self.closing or LINGER_SECONDS <= 0:
             return False
+        self.lingering.add(session_pk)
         try:
             await asyncio.wait_for(wake.wait(), timeout=LINGER_SECONDS)
         except TimeoutError:
             return False
+        finally:
+            self.lingering.discard(session_pk)
         return not self.closing
+
+    def busy(self) -> set[str]:
+        """Dialogs with a turn running or about to run here (A6: their state stays)."""
+        return {local.session.pk for local in self.local.values()} | (
+            set(self.tasks) - self.lingering
+        )
 
     async def _renew_loop(self, session_pk: str) -> None:
         """Renew the dialog's lease every third of its period. A renewal that finds the

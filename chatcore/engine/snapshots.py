@@ -40,6 +40,8 @@ class LocalTurn:
     delivery: DeliveryHandle | None = None
     ended: bool = False
     lease: Lease | None = None
+    # A snapshot publish is under way (the turn's end lets it land rather than cancel it).
+    publishing: bool = False
 
     @property
     def may_speak(self) -> bool:
@@ -85,6 +87,8 @@ async def publish_snapshots(
         await send_snapshot(local)
         if local.delivery is not None:
             local.delivery.push(snap.text, spawn=spawn)
+        if local.ended:
+            return
         await asyncio.sleep(interval)
 
 
@@ -94,7 +98,11 @@ async def send_snapshot(local: LocalTurn) -> None:
     last tokens always reach clients before `turn_updated` (D1)."""
     version = local.snapshot.version
     frame = snapshot_frame(local, full=False)
-    await publish.apublish(publish.session_group(local.session.pk), frame)
+    local.publishing = True
+    try:
+        await publish.apublish(publish.session_group(local.session.pk), frame)
+    finally:
+        local.publishing = False
     local.published_version = version
     local.published_offset = frame["text_offset"] + len(frame["text"])
 

@@ -480,10 +480,16 @@ class Workers:
             local.snapshot.changed.set()
             helpers = (cancel_wait, publisher, heartbeat)
             for task in helpers:
-                task.cancel()
+                # A snapshot publish under way is let land (the publisher returns after it):
+                # cancelled after the layer took the frame, it would count as unsent and the
+                # flush would send its tail twice (D1).
+                if task is not publisher or not local.publishing:
+                    task.cancel()
             _done, stuck = await asyncio.wait(helpers, timeout=5)
             if stuck:
                 logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
+                for late in stuck:
+                    late.cancel()
             await snapshots.flush_snapshot(local)
 
     async def _finish(

@@ -94,8 +94,9 @@ async def publish_snapshots(
 
 async def send_snapshot(local: LocalTurn) -> None:
     """Send the tail since the last frame that was sent. It counts as sent only once the
-    layer took it: a publish cancelled at turn end is sent again by the final flush, so the
-    last tokens always reach clients before `turn_updated` (D1)."""
+    layer took it: the turn's end lets a publish under way land (`publishing`), and one
+    cancelled anyway (stuck) is sent again by the final flush, so the last tokens always
+    reach clients before `turn_updated`, and no tail twice (D1)."""
     version = local.snapshot.version
     frame = snapshot_frame(local, full=False)
     local.publishing = True

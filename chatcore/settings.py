@@ -133,8 +133,8 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
         "timeout": 20,
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
-    # Database threads keep their connection (`chatcore.common.dbthreads`): opening one, with
-    # its PRAGMAs, costs more than most queries.
+    # Connections stay open (database threads and request threads alike): opening one costs
+    # more than most queries, and closing the last one checkpoints and removes the WAL file.
     _db["CONN_MAX_AGE"] = None
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}

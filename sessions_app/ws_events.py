@@ -151,10 +151,18 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     # --- published events -----------------------------------------------------------------
 
     async def dispatch(self, message: dict[str, Any]) -> None:
-        if message.get("type") == publish.EVENT_TYPE:
+        kind = message.get("type")
+        if kind == publish.EVENT_TYPE:
             # Relaying touches no database: skip channels' per-message close_old_connections,
-            # a round trip to the one ORM thread for every snapshot frame (STYLE 6).
+            # a round trip to a sync thread for every snapshot frame (STYLE 6).
             await self.chat_event(message)
+            return
+        if kind == "websocket.receive":
+            # Nor for a client frame: its reads run through `on_db`, which does that cleanup
+            # on the database thread itself, and the engine's writes reset a broken
+            # connection on failure (`storage`); a separate hop would only delay a send's
+            # admission, and so its first token.
+            await self.websocket_receive(message)
             return
         await super().dispatch(message)
 

@@ -118,3 +118,34 @@ def test_a_missing_tail_is_logged_counted_and_answered_with_a_full_snapshot(capl
     assert out is None and not ask
     out, ask = relay.relay({**base, "text_offset": 0, "text": "Hello world!", "frame": 5})
     assert out is not None and out["text"] == "Hello world!"
+
+
+async def test_the_first_snapshot_of_a_burst_is_its_first_delta(
+    make_engine, fake_model, recorder, user
+):
+    # covers: D1 (the first token is not held back: a model that sends its whole answer in one
+    # burst gets its first delta to the clients before the rest is parsed)
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+    answer = "".join(f"w{i} " for i in range(400))
+    fake_model.script(Reply(text=answer, chunk=4))
+    ack = await send(engine, session, "question")
+    snapshots: list[dict[str, Any]] = []
+
+    def seen(frame: dict[str, Any]) -> bool:
+        if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
+            snapshots.append(frame)
+        return frame["type"] == "turn_updated" and frame["turn_id"] == ack.turn_id
+
+    frames = await rec.until(seen, timeout=20)
+    assert frames[-1]["status"] == "completed"
+    first = snapshots[0]
+    assert (first["frame"], first["text_offset"], first["text"]) == (1, 0, answer[:4])
+    # Coalesced after that (D1): far fewer frames than deltas, and the tails rebuild it whole.
+    assert len(snapshots) < len(answer) // 4 // 10
+    text = ""
+    for frame in snapshots:
+        assert frame["text_offset"] <= len(text)
+        text = text[: frame["text_offset"]] + frame["text"]
+    assert text == answer

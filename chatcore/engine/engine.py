@@ -261,8 +261,7 @@ class Engine:
             local.cancel.set()
 
     def evict_idle(self) -> int:
-        busy = {local.session.pk for local in self.local.values()} | set(self.workers.tasks)
-        return self.states.evict_expired(busy=busy)
+        return self.states.evict_expired(busy=self.workers.busy())
 
     def refresh_sockets(self) -> None:
         self.sockets.refresh()

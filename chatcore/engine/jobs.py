@@ -56,10 +56,14 @@ def title_due(*, session_pk: str) -> bool:
         .only("message_count", "title_source", "deleted_at")
         .first()
     )
-    if session is None or session.deleted_at is not None:
-        return False
+    return session is not None and title_due_of(session)
+
+
+def title_due_of(session: Session) -> bool:
+    """`title_due` on a dialog row already at hand (the one a turn's commit locked)."""
     return (
-        session.title_source == TitleSource.DEFAULT
+        session.deleted_at is None
+        and session.title_source == TitleSource.DEFAULT
         and session.message_count >= settings.CHAT["AUTO_TITLE_AFTER"]
     )
 

@@ -43,6 +43,8 @@ class LocalTurn:
     lease: Lease | None = None
     # C11: the partial text as of this turn's last successful checkpoint.
     checkpointed: str = ""
+    # A snapshot publish is under way (the turn's end lets it land rather than cancel it).
+    publishing: bool = False
 
     @property
     def may_speak(self) -> bool:
@@ -88,16 +90,23 @@ async def publish_snapshots(
         await send_snapshot(local)
         if local.delivery is not None:
             local.delivery.push(snap.text, spawn=spawn)
+        if local.ended:
+            return
         await asyncio.sleep(interval)
 
 
 async def send_snapshot(local: LocalTurn) -> None:
     """Send the tail since the last frame that was sent. It counts as sent only once the
-    layer took it: a publish cancelled at turn end is sent again by the final flush, so the
-    last tokens always reach clients before `turn_updated` (D1)."""
+    layer took it: the turn's end lets a publish under way land (`publishing`), and one
+    cancelled anyway (stuck) is sent again by the final flush, so the last tokens always
+    reach clients before `turn_updated`, and no tail twice (D1)."""
     version = local.snapshot.version
     frame = snapshot_frame(local, full=False)
-    await publish.apublish(publish.session_group(local.session.pk), frame)
+    local.publishing = True
+    try:
+        await publish.apublish(publish.session_group(local.session.pk), frame)
+    finally:
+        local.publishing = False
     local.published_version = version
     local.published_offset = frame["text_offset"] + len(frame["text"])
 

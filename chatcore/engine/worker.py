@@ -55,6 +55,9 @@ from .turns.runner import TurnRunner, TurnSnapshot
 
 logger = logging.getLogger(__name__)
 
+# How long a worker whose dialog's queue emptied keeps the lease for a follow-up send.
+LINGER_SECONDS = 0.1
+
 
 async def reset_db() -> None:
     try:
@@ -94,6 +97,8 @@ class Workers:
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._leases: dict[str, Lease] = {}
+        # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
+        self.lingering: set[str] = set()
 
     @property
     def closing(self) -> bool:
@@ -191,7 +196,7 @@ class Workers:
             else:
                 # Claimed in the admitting transaction, which saw no running turn (C11).
                 await self._run_turn(first.turn, held, started=first)
-                await self._start_waiting(first.turn)
+                self._wake_waiting(first.turn)
             while not self.closing:
                 wake.clear()
                 turn = await storage.astorage_retry(
@@ -200,7 +205,9 @@ class Workers:
                 )
                 if isinstance(turn, Turn):
                     await self._run_turn(turn, held)
-                    await self._start_waiting(turn)
+                    self._wake_waiting(turn)
+                    continue
+                if turn is None and await self._linger(session_pk, wake):
                     continue
                 # Release, then look once more: an item enqueued meanwhile is either seen
                 # here or its enqueuer's kick finds no worker and takes the lease itself.
@@ -235,6 +242,29 @@ class Workers:
                 except Exception:
                     logger.warning("lease release failed", extra={"session_id": session_pk})
 
+    async def _linger(self, session_pk: str, wake: asyncio.Event) -> bool:
+        """The queue is empty: keep the lease a moment (`LINGER_SECONDS`) for a send of this
+        process that follows the answer at once (a script, a chat app's burst, the next line
+        of a paste). Its kick wakes us and its turn is claimed with one round trip, instead
+        of waiting for this lease's release and a new acquisition. False when none came.
+        Meanwhile the dialog counts as idle (`busy`)."""
+        if self.closing or LINGER_SECONDS <= 0:
+            return False
+        self.lingering.add(session_pk)
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=LINGER_SECONDS)
+        except TimeoutError:
+            return False
+        finally:
+            self.lingering.discard(session_pk)
+        return not self.closing
+
+    def busy(self) -> set[str]:
+        """Dialogs with a turn running or about to run here (A6: their state stays)."""
+        return {local.session.pk for local in self.local.values()} | (
+            set(self.tasks) - self.lingering
+        )
+
     async def _renew_loop(self) -> None:
         """Every third of the lease period, renew all the leases this process holds in one
         statement (`queue.renew_leases`). A lease found taken over cancels its dialog's local
@@ -265,6 +295,17 @@ class Workers:
         wake = self._wakeups.get(session_pk)
         if wake is not None:
             wake.set()
+
+    def _wake_waiting(self, turn: Turn) -> None:
+        """`_start_waiting` as a task of its own: the dialog's next turn is claimed at once,
+        not after that query (its place among the party's waiting dialogs is the claim's
+        check, `limits.turn_may_start`)."""
+        if self.closing:
+            return
+        try:
+            self.supervisor.spawn(f"waiting:{turn.pk}", self._start_waiting(turn))
+        except ShuttingDown:
+            pass
 
     async def _start_waiting(self, turn: Turn) -> None:
         """F7: a turn ended; start the dialogs of its party (`limits.party`) held back by the
@@ -298,8 +339,10 @@ class Workers:
                 session = local.session = started.session
             else:
                 try:
-                    _appended, generation = await storage.astorage_retry(
-                        lambda: record_turn_start(turn=turn, states=self.states, fence=held),
+                    appended, generation = await storage.astorage_retry(
+                        lambda: record_turn_start(
+                            turn=turn, states=self.states, fence=held, announce=False
+                        ),
                         what="turn_start",
                         session=session,
                     )
@@ -314,7 +357,16 @@ class Workers:
                     failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
                     await self._finish(turn, session, failed, 0, local=local)
                     return
-                session = await on_db(Session.objects.get)(pk=session.pk)
+                if appended is not None:
+                    # The dialog's row as the recording transaction locked it: no second
+                    # read before the context is built.
+                    try:
+                        self._announce(appended, turn)
+                    except ShuttingDown:
+                        services.announce_appended(appended, turn)
+                    session = appended.session
+                else:
+                    session = await on_db(Session.objects.get)(pk=session.pk)
                 local.session = session
                 if session.deleted_at is not None:
                     await self._finish(turn, session, Stale(), generation, local=local)
@@ -436,10 +488,16 @@ class Workers:
             local.snapshot.changed.set()
             helpers = (cancel_wait, publisher)
             for task in helpers:
-                task.cancel()
+                # A snapshot publish under way is let land (the publisher returns after it):
+                # cancelled after the layer took the frame, it would count as unsent and the
+                # flush would send its tail twice (D1).
+                if task is not publisher or not local.publishing:
+                    task.cancel()
             _done, stuck = await asyncio.wait(helpers, timeout=5)
             if stuck:
                 logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
+                for late in stuck:
+                    late.cancel()
             await snapshots.flush_snapshot(local)
 
     async def _finish(
@@ -521,7 +579,13 @@ class Workers:
                 await local.delivery.finish(terminal)
         if result.status == TurnStatus.COMPLETED:
             try:
-                if await on_db(jobs.title_due)(session_pk=session.pk):
+                # B4: on the row the commit locked when it appended messages, else a read.
+                due = (
+                    jobs.title_due_of(result.appended.session)
+                    if result.appended is not None
+                    else await on_db(jobs.title_due)(session_pk=session.pk)
+                )
+                if due:
                     await on_db(self.scheduler.schedule)("generate_title", session_pk=session.pk)
             except DatabaseError:
                 # A title is scheduled again after the next turn; the queue must go on.

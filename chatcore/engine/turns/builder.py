@@ -192,25 +192,29 @@ class TurnInputBuilder:
         budget_ratio: float | None = None,
     ) -> PreparedInput:
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
-        # G6: the whole context (dialog row with its plan, compaction, history window, memory
-        # notes) in one trip to a pool thread and one read transaction.
-        session, history, compaction, skipped, notes = await on_db(self._load_context)(session_pk)
-        plan = session.plan or ""
-        # F7: conversion, counting and trimming grow with the dialog: off the event loop.
-        prepared = await on_db(self.assemble)(
-            session=session,
-            history=history,
-            compaction=compaction,
-            notes=notes,
-            plan=plan,
-            runtime=runtime,
-            pending=pending or [],
-            exclude_turn_partials=exclude_turn_partials,
-            budget=int(self.context_window * ratio),
-        )
-        # Messages outside the read window were left out for the budget too.
-        prepared.dropped_for_budget += skipped
-        return prepared
+        budget = int(self.context_window * ratio)
+
+        def build() -> PreparedInput:
+            # G6: the whole context (dialog row with its plan, compaction, history window,
+            # memory notes) in one read transaction; F7: then the conversion, counting and
+            # trimming, which grow with the dialog: all in one trip to a database thread.
+            session, history, compaction, skipped, notes = self._load_context(session_pk)
+            prepared = self.assemble(
+                session=session,
+                history=history,
+                compaction=compaction,
+                notes=notes,
+                plan=session.plan or "",
+                runtime=runtime,
+                pending=pending or [],
+                exclude_turn_partials=exclude_turn_partials,
+                budget=budget,
+            )
+            # Messages outside the read window were left out for the budget too.
+            prepared.dropped_for_budget += skipped
+            return prepared
+
+        return await on_db(build)()
 
     async def recover_after_overflow(
         self,

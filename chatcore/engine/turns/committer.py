@@ -220,12 +220,13 @@ def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedIn
 
 
 def record_turn_start(
-    *, turn: Turn, states: SessionStates, fence: Lease | None = None
+    *, turn: Turn, states: SessionStates, fence: Lease | None = None, announce: bool = True
 ) -> tuple[services.Appended | None, int]:
     """C3: the user message enters history when its turn starts, with its received time.
     Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
     appended messages (None for a retry, which adds no user message) and the generation the
-    turn runs against."""
+    turn runs against. With `announce` False the caller publishes their `history_delta`
+    (the engine does, from its loop, so this thread never waits for the loop to send)."""
     new, leftovers = start_messages(turn)
 
     def mark(session: Session) -> None:
@@ -244,6 +245,7 @@ def record_turn_start(
         turn=turn,
         extra=mark,
         guard=fence.guard if fence is not None else None,
+        publish_delta=announce,
     )
     states.apply_appended(appended)
     return appended, appended.session.generation

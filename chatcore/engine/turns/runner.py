@@ -88,6 +88,15 @@ CUT_STATUSES = {
 }
 
 
+# A stream read from buffered bytes does not suspend between deltas: give the event loop a
+# turn (the snapshot publisher, the sockets, other turns) after this many of them.
+DELTAS_PER_YIELD = 32
+# After a step's first delta the loop gets this many turns: enough to carry its snapshot from
+# the publisher through the channel layer and the consumer to the socket before the rest of a
+# burst is parsed (the first token is not held back by the answer's length).
+FIRST_DELTA_YIELDS = 5
+
+
 class TurnRunner:
     def __init__(
         self,
@@ -271,6 +280,11 @@ class TurnRunner:
         stream = self.provider.stream(
             messages=messages, tools=tools, purpose="turn", max_tokens=self.max_tokens()
         )
+        # Deltas until the loop gets a turn: 0 at first, so the turn's first snapshot goes out
+        # at once (F7: a model that sends its answer in one burst never holds the event loop,
+        # and every other stream and socket of the process, for its whole length).
+        until_yield = 0
+        first = True
         async for event in stream:
             if isinstance(event, TextDelta):
                 if separator_pending:
@@ -279,6 +293,12 @@ class TurnRunner:
                     separator_pending = False
                 self._step.append(event.text)
                 self.snapshot.append_text(event.text)
+                if until_yield == 0:
+                    for _ in range(FIRST_DELTA_YIELDS if first else 1):
+                        await asyncio.sleep(0)
+                    first = False
+                    until_yield = DELTAS_PER_YIELD
+                until_yield -= 1
             elif isinstance(event, Completion):
                 logger.debug("model step took %.3fs", time.monotonic() - started)
                 return event

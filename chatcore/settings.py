@@ -136,6 +136,9 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     # Connections stay open (database threads and request threads alike): opening one costs
     # more than most queries, and closing the last one checkpoints and removes the WAL file.
     _db["CONN_MAX_AGE"] = None
+    # Django's SQLite backend, with this process's write transactions taking turns in Python
+    # rather than in SQLite's busy handler, which sleeps (`chatcore/sqlite/base.py`).
+    _db["ENGINE"] = "chatcore.sqlite"
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):

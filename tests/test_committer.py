@@ -13,7 +13,7 @@ from chatcore.engine import lease, queue
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.lease import LeaseLost
 from chatcore.engine.sessions import SessionStates
-from chatcore.engine.turns.committer import commit_outcome, record_turn_start, take_staged
+from chatcore.engine.turns.committer import commit_outcome, take_staged
 from chatcore.engine.turns.outcome import (
     Cancelled,
     Completed,
@@ -44,12 +44,13 @@ def _submit(user: Any, session: Any, content: str, mode: str = "send") -> Any:
     return queue.admit(inbound, session, cfg=settings.CHAT, states=SessionStates())
 
 
-def _claim(session: Any) -> tuple[Turn, lease.Lease]:
+def _claim(session: Any) -> tuple[Turn, lease.Lease, queue.Started]:
+    """Take the lease and start the next turn: claimed, user message recorded (C3)."""
     held = queue.acquire_lease(session.pk, owner="test", cfg=settings.CHAT)
     assert held is not None
-    turn = queue.claim_next(session.pk, held, cfg=settings.CHAT)
-    assert isinstance(turn, Turn)
-    return turn, held
+    started = queue.claim_next(session.pk, held, cfg=settings.CHAT, states=SessionStates())
+    assert isinstance(started, queue.Started)
+    return started.turn, held, started
 
 
 def _answer(text: str) -> PendingMessage:
@@ -60,12 +61,12 @@ def _history(session: Any) -> list[Message]:
     return list(Message.objects.filter(session_id=session.pk).order_by("seq"))
 
 
-def test_turn_start_records_the_user_message_with_its_received_time(user):
+def test_a_claimed_turn_records_its_user_message_with_its_received_time(user):
     # covers: C3
     session = _dialog(user)
     _submit(user, session, "hello there")
-    turn, held = _claim(session)
-    appended, generation = record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, started = _claim(session)
+    appended, generation = started.appended, started.generation
     assert appended is not None
     last = _history(session)[-1]
     assert (last.role, last.content, last.kind) == (Role.USER, "hello there", "user_input")
@@ -83,8 +84,7 @@ def test_steers_left_staged_are_recorded_after_the_next_user_message(user):
         received_at=timezone.now(),
     )
     _submit(user, session, "next send")
-    turn, held = _claim(session)
-    record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, _started = _claim(session)
     contents = [m.content for m in _history(session)[-2:]]
     assert contents == ["next send", "left over"]
     assert not StagedInput.objects.filter(status=StagedInput.Status.STAGED).exists()
@@ -94,8 +94,8 @@ def test_completed_outcome_commits_the_answer_and_closes_the_turn(user):
     # covers: C3, C9
     session = _dialog(user)
     _submit(user, session, "hi")
-    turn, held = _claim(session)
-    _appended, generation = record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, started = _claim(session)
+    _appended, generation = started.appended, started.generation
     result = commit_outcome(
         turn=turn,
         outcome=Completed(messages=[_answer("the answer")], usage={"total_tokens": 7}),
@@ -115,8 +115,8 @@ def test_cancelled_outcome_keeps_the_partial_and_never_an_empty_answer(user):
     # covers: C6, E5
     session = _dialog(user)
     _submit(user, session, "one")
-    turn, held = _claim(session)
-    _a, generation = record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, started = _claim(session)
+    _a, generation = started.appended, started.generation
     result = commit_outcome(
         turn=turn,
         outcome=Cancelled(messages=[], partial="half an ans"),
@@ -131,8 +131,8 @@ def test_cancelled_outcome_keeps_the_partial_and_never_an_empty_answer(user):
     lease.release(held)
 
     _submit(user, session, "two")
-    turn2, held2 = _claim(session)
-    _a, generation = record_turn_start(turn=turn2, states=SessionStates(), fence=held2)
+    turn2, held2, started2 = _claim(session)
+    generation = started2.generation
     commit_outcome(
         turn=turn2,
         outcome=Failed(FailureKind.PROVIDER, "down", partial="   "),
@@ -150,8 +150,8 @@ def test_an_outcome_after_the_dialog_was_cleared_is_stale(user):
     # covers: C9
     session = _dialog(user)
     _submit(user, session, "hi")
-    turn, held = _claim(session)
-    _a, generation = record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, started = _claim(session)
+    _a, generation = started.appended, started.generation
     services.messages_clear(session=session)
     before = len(_history(session))
     result = commit_outcome(
@@ -173,8 +173,8 @@ def test_a_lost_lease_commits_nothing(user):
     # covers: G2
     session = _dialog(user)
     _submit(user, session, "hi")
-    turn, held = _claim(session)
-    _a, generation = record_turn_start(turn=turn, states=SessionStates(), fence=held)
+    turn, held, started = _claim(session)
+    _a, generation = started.appended, started.generation
     before = len(_history(session))
     # Another process took the dialog over (a new epoch).
     lease.release(held)
@@ -196,7 +196,7 @@ def test_staged_inputs_are_taken_once(user):
     # covers: C4, C5
     session = _dialog(user)
     _submit(user, session, "first")
-    turn, held = _claim(session)
+    turn, held, _started = _claim(session)
     _submit(user, session, "steer me", mode="steer")
     _submit(user, session, "note this", mode="inject")
     taken = take_staged(turn=turn, fence=held)

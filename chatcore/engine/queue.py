@@ -41,7 +41,7 @@ from sessions_app.models import (
 
 from . import lease, limits
 from .ingress import Ack, Inbound
-from .lease import Lease
+from .lease import Lease, LeaseLost
 from .sessions import SessionStates
 from .turns.builder import CONTINUE_INSTRUCTION
 from .turns.committer import CommitResult, commit_outcome, start_messages
@@ -240,6 +240,13 @@ def _start_locked(
         return None
     live.lease_owner, live.lease_epoch = owner, epoch
     held = Lease(live.pk, owner, epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
+    return _begin_locked(live, turn, held, now=now)
+
+
+def _begin_locked(live: Session, turn: Turn, held: Lease, *, now: Any) -> Started:
+    """On the dialog's locked row, under `held`: mark the turn running and record what enters
+    history as it starts (C3: its user message; C4: steers an earlier failed turn left)."""
+    turn.session = live
     Turn.objects.filter(pk=turn.pk).update(status=TurnStatus.RUNNING, started_at=now)
     turn.status, turn.started_at = TurnStatus.RUNNING, now
     new, leftovers = start_messages(turn)
@@ -400,31 +407,42 @@ def has_queued(session_pk: str) -> bool:
     return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
 
 
-def claim_next(session_pk: str, held: Lease, *, cfg: dict[str, Any]) -> Turn | object | None:
-    """The dialog's next queued turn, now running; None when the queue is empty, or
-    `HELD_BACK` when its owner already runs the most turns allowed (F7)."""
+def claim_next(
+    session_pk: str, held: Lease, *, cfg: dict[str, Any], states: SessionStates
+) -> Started | object | None:
+    """Start the dialog's next queued turn under `held`, in one transaction (G6): lock the
+    dialog's row and check the lease on it (G2), take the oldest queued turn when its owner
+    has a free slot (F7), mark it running and record its user message (C3). None when the
+    queue is empty (or the dialog was deleted), `HELD_BACK` when the owner already runs the
+    most turns allowed."""
 
-    def claim() -> Turn | object | None:
+    def claim() -> Started | object | None:
         with transaction.atomic():
-            held.check()
+            live = Session.objects.select_for_update().filter(pk=session_pk).first()
+            if live is None:
+                held.lost = True
+                raise LeaseLost(session_pk)
+            held.guard(live)
+            if live.deleted_at is not None:
+                return None
             turn = (
                 Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED)
-                .select_related("session", "owner")
+                .select_related("owner")
                 .order_by("number")
                 .first()
             )
             if turn is None:
                 return None
+            turn.session = live
             limits.lock_owner(turn.owner_id)
             if not limits.turn_may_start(turn, cfg):
                 return HELD_BACK
-            Turn.objects.filter(pk=turn.pk).update(
-                status=TurnStatus.RUNNING, started_at=timezone.now()
-            )
-            turn.status = TurnStatus.RUNNING
-            return turn
+            return _begin_locked(live, turn, held, now=timezone.now())
 
-    return storage.storage_retry(claim, what="claim")
+    claimed = storage.storage_retry(claim, what="claim")
+    if isinstance(claimed, Started) and claimed.appended is not None:
+        states.apply_appended(claimed.appended)
+    return claimed
 
 
 def recover_interrupted(

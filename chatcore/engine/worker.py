@@ -39,7 +39,6 @@ from .turns.committer import (
     CommitResult,
     commit_outcome,
     commit_persistence_failure,
-    record_turn_start,
     take_staged,
 )
 from .turns.outcome import (
@@ -47,7 +46,6 @@ from .turns.outcome import (
     Completed,
     Failed,
     FailureKind,
-    Stale,
     TurnOutcome,
     present_failure,
 )
@@ -195,17 +193,24 @@ class Workers:
                 )
             else:
                 # Claimed in the admitting transaction, which saw no running turn (C11).
-                await self._run_turn(first.turn, held, started=first)
+                await self._run_turn(first)
                 self._wake_waiting(first.turn)
             while not self.closing:
                 wake.clear()
                 turn = await storage.astorage_retry(
-                    functools.partial(queue.claim_next, session_pk, held, cfg=self.cfg),
+                    functools.partial(
+                        queue.claim_next, session_pk, held, cfg=self.cfg, states=self.states
+                    ),
                     what="claim",
                 )
-                if isinstance(turn, Turn):
-                    await self._run_turn(turn, held)
-                    self._wake_waiting(turn)
+                if isinstance(turn, queue.Started):
+                    if turn.appended is not None:
+                        try:
+                            self._announce(turn.appended, turn.turn)
+                        except ShuttingDown:
+                            services.announce_appended(turn.appended, turn.turn)
+                    await self._run_turn(turn)
+                    self._wake_waiting(turn.turn)
                     continue
                 if turn is None and await self._linger(session_pk, wake):
                     continue
@@ -322,55 +327,18 @@ class Workers:
 
     # --- one turn ------------------------------------------------------------------------
 
-    async def _run_turn(
-        self, turn: Turn, held: Lease, started: queue.Started | None = None
-    ) -> None:
-        session = turn.session
+    async def _run_turn(self, started: queue.Started) -> None:
+        """Run a turn claimed under `started.lease` with its user message recorded in the
+        claiming transaction (G6), on the dialog's row as that transaction locked it."""
+        turn, held = started.turn, started.lease
+        session = started.session
         turn_id = str(turn.pk)
         log = {"session_id": session.session_id, "turn_id": turn_id}
         snapshot = TurnSnapshot(turn_id=turn_id)
         local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
         self.local[turn_id] = local
+        generation = started.generation
         try:
-            if started is not None:
-                # G6: the user message was recorded in the claiming transaction, on the
-                # dialog's locked (live) row.
-                generation = started.generation
-                session = local.session = started.session
-            else:
-                try:
-                    appended, generation = await storage.astorage_retry(
-                        lambda: record_turn_start(
-                            turn=turn, states=self.states, fence=held, announce=False
-                        ),
-                        what="turn_start",
-                        session=session,
-                    )
-                except services.StaleSession:
-                    await self._finish(turn, session, Stale(), 0, local=local)
-                    return
-                except LeaseLost:
-                    logger.error("lost the lease before the turn started", extra=log)
-                    return
-                except Exception:
-                    logger.exception("could not record the user message", extra=log)
-                    failed = Failed(FailureKind.INPUT_PERSISTENCE, "input write failed")
-                    await self._finish(turn, session, failed, 0, local=local)
-                    return
-                if appended is not None:
-                    # The dialog's row as the recording transaction locked it: no second
-                    # read before the context is built.
-                    try:
-                        self._announce(appended, turn)
-                    except ShuttingDown:
-                        services.announce_appended(appended, turn)
-                    session = appended.session
-                else:
-                    session = await on_db(Session.objects.get)(pk=session.pk)
-                local.session = session
-                if session.deleted_at is not None:
-                    await self._finish(turn, session, Stale(), generation, local=local)
-                    return
             sink = sink_for_channel(session.channel)
             if sink is not None:
                 # D4: an external platform's streaming message for this turn.

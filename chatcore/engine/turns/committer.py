@@ -219,38 +219,6 @@ def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedIn
     return new, leftovers
 
 
-def record_turn_start(
-    *, turn: Turn, states: SessionStates, fence: Lease | None = None, announce: bool = True
-) -> tuple[services.Appended | None, int]:
-    """C3: the user message enters history when its turn starts, with its received time.
-    Steers left staged by an earlier failed turn are recorded after it (C4). Returns the
-    appended messages (None for a retry, which adds no user message) and the generation the
-    turn runs against. With `announce` False the caller publishes their `history_delta`
-    (the engine does, from its loop, so this thread never waits for the loop to send)."""
-    new, leftovers = start_messages(turn)
-
-    def mark(session: Session) -> None:
-        turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
-
-    if not new:
-        with transaction.atomic():
-            if fence is not None:
-                fence.check()
-            session = Session.objects.get(pk=turn.session_id)
-        return None, session.generation
-    appended = services.messages_append(
-        session_pk=turn.session_id,
-        session=turn.session,
-        messages=new,
-        turn=turn,
-        extra=mark,
-        guard=fence.guard if fence is not None else None,
-        publish_delta=announce,
-    )
-    states.apply_appended(appended)
-    return appended, appended.session.generation
-
-
 def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessage]:
     """Claim the staged steer/inject inputs of the session for this turn's next boundary."""
     with transaction.atomic():

@@ -1,0 +1,1 @@
+"""The SQLite database backend of embedded mode (`chatcore.sqlite.base`)."""

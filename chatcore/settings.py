@@ -172,7 +172,7 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels.layers.InMemoryChannelLayer",
+            "BACKEND": "chatcore.common.memlayer.LocalChannelLayer",
             "CONFIG": {"capacity": 1000},
         }
     }

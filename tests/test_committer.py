@@ -203,3 +203,20 @@ def test_staged_inputs_are_taken_once(user):
     assert [(p.kind, p.content) for p in taken] == [("steer", "steer me"), ("inject", "note this")]
     assert take_staged(turn=turn, fence=held) == []
     assert set(StagedInput.objects.values_list("recorded_in", flat=True)) == {turn.pk}
+
+
+def test_a_boundary_of_a_turn_that_lost_its_lease_takes_nothing(user):
+    # covers: C4, G2
+    session = _dialog(user)
+    _submit(user, session, "first")
+    turn, held = _claim(session)
+    lease.release(held)
+    other = queue.acquire_lease(session.pk, owner="other", cfg=settings.CHAT)
+    assert other is not None
+    # Nothing staged: still refused (the turn's process no longer speaks for the dialog).
+    with pytest.raises(LeaseLost):
+        take_staged(turn=turn, fence=held)
+    _submit(user, session, "steer me", mode="steer")
+    with pytest.raises(LeaseLost):
+        take_staged(turn=turn, fence=held)
+    assert StagedInput.objects.get().recorded_in is None

@@ -64,6 +64,16 @@ class Lease:
             self.lost = True
             raise LeaseLost(self.session_pk)
 
+    def confirm(self) -> None:
+        """`check()` for a read that writes nothing: fail unless this lease is still the
+        current one, without locking the row (nor, on SQLite, taking the write lock)."""
+        held = Session.objects.filter(
+            pk=self.session_pk, lease_owner=self.owner, lease_epoch=self.epoch
+        ).exists()
+        if not held:
+            self.lost = True
+            raise LeaseLost(self.session_pk)
+
     def guard(self, locked: Session) -> None:
         """The same check on a session row the caller has just locked (no extra query)."""
         if not self._matches(locked):

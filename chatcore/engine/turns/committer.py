@@ -14,7 +14,7 @@ from typing import Any
 from django.db import transaction
 
 from chatcore.common.errors import StorageError
-from sessions_app import services, storage, turn_services
+from sessions_app import selectors, services, storage, turn_services
 from sessions_app.models import (
     MessageKind,
     MessageStatus,
@@ -220,7 +220,20 @@ def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedIn
 
 
 def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessage]:
-    """Claim the staged steer/inject inputs of the session for this turn's next boundary."""
+    """Claim the staged steer/inject inputs of the session for this turn's next boundary.
+
+    Most boundaries find nothing staged; that is learnt in a read, beside other dialogs'
+    writes (F7: on SQLite a write transaction waits for every other one, and a hundred turns
+    ending together would queue their boundaries behind each other's commits). Only staged
+    inputs take the write transaction that claims them."""
+    with selectors.read_transaction():
+        if fence is not None:
+            fence.confirm()
+        staged = StagedInput.objects.filter(
+            session_id=turn.session_id, status=StagedInput.Status.STAGED
+        ).exists()
+    if not staged:
+        return []
     with transaction.atomic():
         if fence is not None:
             fence.check()

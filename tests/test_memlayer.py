@@ -1,0 +1,76 @@
+"""The embedded mode's channel layer behaves as Channels' in-memory layer (fan-out, copies,
+capacity, expiry), only without sweeping everything at every message."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from channels.exceptions import ChannelFull
+from channels.layers import get_channel_layer
+
+from chatcore.common import memlayer
+from chatcore.common.memlayer import LocalChannelLayer
+
+
+def test_embedded_mode_uses_it() -> None:
+    assert isinstance(get_channel_layer(), LocalChannelLayer)
+
+
+async def test_group_send_reaches_every_member_with_its_own_copy() -> None:
+    layer = LocalChannelLayer()
+    a, b, other = [await layer.new_channel() for _ in range(3)]
+    for channel in (a, b):
+        await layer.group_add("sess.one", channel)
+    await layer.group_add("sess.two", other)
+    message = {"type": "chat.event", "frame": {"text": "hi", "tools": [{"name": "x"}]}}
+    await layer.group_send("sess.one", message)
+    got_a = await layer.receive(a)
+    got_b = await layer.receive(b)
+    assert got_a == got_b == message
+    # A consumer that changes what it received changes nobody else's frame.
+    got_a["frame"]["tools"][0]["name"] = "changed"
+    assert got_b["frame"]["tools"][0]["name"] == "x"
+    assert message["frame"]["tools"][0]["name"] == "x"
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(layer.receive(other), 0.05)
+
+
+async def test_messages_arrive_in_order() -> None:
+    layer = LocalChannelLayer()
+    channel = await layer.new_channel()
+    await layer.group_add("g", channel)
+    for i in range(5):
+        await layer.group_send("g", {"type": "chat.event", "n": i})
+    assert [(await layer.receive(channel))["n"] for _ in range(5)] == list(range(5))
+
+
+async def test_a_full_channel_refuses_a_send_and_misses_a_group_send() -> None:
+    layer = LocalChannelLayer(capacity=2)
+    full, free = await layer.new_channel(), await layer.new_channel()
+    for channel in (full, free):
+        await layer.group_add("g", channel)
+    await layer.send(full, {"type": "a"})
+    await layer.send(full, {"type": "b"})
+    with pytest.raises(ChannelFull):
+        await layer.send(full, {"type": "c"})
+    await layer.group_send("g", {"type": "d"})
+    assert [(await layer.receive(full))["type"] for _ in range(2)] == ["a", "b"]
+    assert (await layer.receive(free))["type"] == "d"
+
+
+async def test_unread_messages_expire_and_their_channel_leaves_its_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layer = LocalChannelLayer(expiry=60)
+    dead, live = await layer.new_channel(), await layer.new_channel()
+    for channel in (dead, live):
+        await layer.group_add("g", channel)
+    await layer.send(dead, {"type": "old"})
+    clock = memlayer.time.time()
+    monkeypatch.setattr(memlayer.time, "time", lambda: clock + 61)
+    monkeypatch.setattr(memlayer, "CLEAN_INTERVAL_SECONDS", 0.0)
+    await layer.group_send("g", {"type": "new"})
+    assert dead not in layer.groups["g"]
+    assert (await layer.receive(live))["type"] == "new"
+    assert dead not in layer.channels

@@ -209,7 +209,7 @@ def test_a_boundary_of_a_turn_that_lost_its_lease_takes_nothing(user):
     # covers: C4, G2
     session = _dialog(user)
     _submit(user, session, "first")
-    turn, held = _claim(session)
+    turn, held, _started = _claim(session)
     lease.release(held)
     other = queue.acquire_lease(session.pk, owner="other", cfg=settings.CHAT)
     assert other is not None

@@ -3,14 +3,17 @@
 Redis pub/sub forgets: when Redis restarts, the layer's subscriptions come back by themselves
 (redis-py subscribes again on reconnect) but every frame published meanwhile is gone, and no
 subscriber is told. So this process sends itself a ping through the layer four times a
-second; when a publish fails or a ping does not come back in time, every connection that
-registered here is told once per outage, and closes (the client reconnects and reads the state
-anew: its `sessions` and `session_history` frames) instead of waiting silently for frames that
-will never come.
+second; when a publish fails, or a ping comes back while an older one never did (the layer
+keeps their order, so that one was lost), or none comes back for `give_up` seconds, every
+connection that registered here is told once per outage, and closes (the client reconnects
+and reads the state anew: its `sessions` and `session_history` frames) instead of waiting
+silently for frames that will never come.
 
 Publishes reconnect at once when Redis is back, but the subscription comes back only on the
 layer's next receive attempt (a second later at the earliest), so the frames lost in between
-always include a ping.
+always include a ping. A ping that is only late (a loop busy with a hundred streams, a slow
+Redis) is not an outage: closing every socket then would only add a hundred reconnects to the
+load.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ Listener = Callable[[], Awaitable[None]]
 
 
 class LayerWatch:
-    def __init__(self, *, interval: float = 0.25, timeout: float = 3.0) -> None:
+    def __init__(
+        self, *, interval: float = 0.25, timeout: float = 3.0, give_up: float = 30.0
+    ) -> None:
         self.interval = interval
         self.timeout = timeout
+        self.give_up = give_up
         self.listeners: set[Listener] = set()
         self.healthy = True
         self.outages = 0
@@ -44,10 +50,14 @@ class LayerWatch:
         # One receive stays open for the watch's whole life: cancelling a receive on the
         # pub/sub layer drops the channel's subscription.
         pending: asyncio.Future[Any] | None = None
+        loop = asyncio.get_running_loop()
+        # Pings sent and not back yet, with when they were sent. The layer keeps their order,
+        # so a ping that arrives while an older one is still missing proves the older one
+        # lost; a ping that is only late (a busy loop, a slow Redis) is not an outage.
+        missing: dict[int, float] = {}
         seq = 0
         while True:
             seq += 1
-            ok = True
             try:
                 await asyncio.wait_for(
                     layer.send(channel, {"type": "watch.ping", "seq": seq}), self.timeout
@@ -56,26 +66,36 @@ class LayerWatch:
                 raise
             except Exception as exc:
                 logger.warning("channel layer publish failed: %s", type(exc).__name__)
-                ok = False
-            if ok:
-                ok = False
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + self.timeout
-                while loop.time() < deadline:
-                    if pending is None:
-                        pending = asyncio.ensure_future(layer.receive(channel))
-                    done, _ = await asyncio.wait({pending}, timeout=deadline - loop.time())
-                    if not done:
-                        break
-                    message, pending = pending, None
-                    try:
-                        got = message.result()
-                    except Exception:
-                        break
-                    if got.get("seq") == seq:
-                        ok = True
-                        break
-            await self._observe(ok)
+                await self._observe(False)
+                await asyncio.sleep(self.interval)
+                continue
+            missing[seq] = loop.time()
+            lost = False
+            deadline = loop.time() + self.timeout
+            while seq in missing and not lost and loop.time() < deadline:
+                if pending is None:
+                    pending = asyncio.ensure_future(layer.receive(channel))
+                done, _ = await asyncio.wait({pending}, timeout=deadline - loop.time())
+                if not done:
+                    break
+                message, pending = pending, None
+                try:
+                    got = int(message.result().get("seq", 0))
+                except Exception:
+                    break
+                missing.pop(got, None)
+                older = [k for k in missing if k < got]
+                for k in older:
+                    del missing[k]
+                lost = bool(older)
+            if lost:
+                await self._observe(False)
+            elif not missing:
+                await self._observe(True)
+            elif loop.time() - min(missing.values()) > self.give_up:
+                # Nothing came back for long: the subscription is gone for good.
+                missing.clear()
+                await self._observe(False)
             await asyncio.sleep(self.interval)
 
     async def _observe(self, ok: bool) -> None:

@@ -38,6 +38,7 @@ async def _watching(layer: DroppingLayer) -> tuple[LayerWatch, list[str], asynci
 
 
 async def test_a_stalled_loop_is_not_an_outage() -> None:
+    # covers: G5, F7 (an overloaded process does not close every socket)
     layer = DroppingLayer()
     watch, closed, task = await _watching(layer)
     try:
@@ -51,6 +52,7 @@ async def test_a_stalled_loop_is_not_an_outage() -> None:
 
 
 async def test_a_lost_ping_closes_the_sockets_once() -> None:
+    # covers: G5, D1 (lost frames: clients resync instead of waiting silently)
     layer = DroppingLayer()
     watch, closed, task = await _watching(layer)
     try:

@@ -14,10 +14,12 @@ from chatcore.common.memlayer import LocalChannelLayer
 
 
 def test_embedded_mode_uses_it() -> None:
+    # covers: F7 (embedded mode: the layer without per-message sweeps)
     assert isinstance(get_channel_layer(), LocalChannelLayer)
 
 
 async def test_group_send_reaches_every_member_with_its_own_copy() -> None:
+    # covers: D1, D2 (every connection of a group gets the frame)
     layer = LocalChannelLayer()
     a, b, other = [await layer.new_channel() for _ in range(3)]
     for channel in (a, b):
@@ -37,6 +39,7 @@ async def test_group_send_reaches_every_member_with_its_own_copy() -> None:
 
 
 async def test_messages_arrive_in_order() -> None:
+    # covers: D1 (snapshot tails apply in order)
     layer = LocalChannelLayer()
     channel = await layer.new_channel()
     await layer.group_add("g", channel)
@@ -46,6 +49,7 @@ async def test_messages_arrive_in_order() -> None:
 
 
 async def test_a_full_channel_refuses_a_send_and_misses_a_group_send() -> None:
+    # covers: D1 (a full connection misses a frame, as in Channels)
     layer = LocalChannelLayer(capacity=2)
     full, free = await layer.new_channel(), await layer.new_channel()
     for channel in (full, free):
@@ -62,6 +66,7 @@ async def test_a_full_channel_refuses_a_send_and_misses_a_group_send() -> None:
 async def test_unread_messages_expire_and_their_channel_leaves_its_groups(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # covers: A6 (nothing kept for a reader that is gone)
     layer = LocalChannelLayer(expiry=60)
     dead, live = await layer.new_channel(), await layer.new_channel()
     for channel in (dead, live):

@@ -327,10 +327,12 @@ def append_locked(
     *,
     turn: Turn | None = None,
     extra: Callable[[Session], None] | None = None,
+    also: Sequence[str] = (),
 ) -> Appended:
     """The write of `messages_append`, inside the caller's transaction on a session row it
     has locked (the engine records a turn's user message in the transaction that claims it,
-    G6). Publishing the delta is the caller's (`announce_appended`)."""
+    G6). `also`: more fields of `locked` the caller changed, saved in the same update of the
+    row. Publishing the delta is the caller's (`announce_appended`)."""
     base = locked.last_seq
     now = timezone.now()
     rows = []
@@ -366,6 +368,7 @@ def append_locked(
             "message_count",
             "state_version",
             "last_active_at",
+            *also,
         ]
     )
     if extra is not None:

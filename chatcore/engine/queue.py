@@ -15,6 +15,7 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import Case, F, Q, TextField, Value, When
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -63,6 +64,59 @@ def lock_live(session_pk: str) -> Session:
     return live
 
 
+_TURNS = Turn._meta.db_table
+_STAGED = StagedInput._meta.db_table
+_SESSIONS = Session._meta.db_table
+
+
+@dataclass
+class QueueState:
+    """What admission needs to know of a dialog's queue, read with its locked row."""
+
+    queued: int  # the dialog's queued turns
+    running: int  # its running turns (0 or 1)
+    staged: bool  # inputs staged for a turn (C4/C5)
+    queued_everywhere: int  # queued turns of every dialog (C2's global bound)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queued or self.running)
+
+
+def _count(table: str, where: str, *params: Any) -> RawSQL:
+    """A COUNT subquery of one of our tables (alias `x`, `where` may refer to the outer
+    dialog row); the SQL names only our own tables and values are parameters."""
+    sql = f'SELECT COUNT(*) FROM "{table}" x WHERE {where}'  # noqa: S608
+    return RawSQL(sql, params)  # noqa: S611
+
+
+def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
+    """`lock_live`, with the dialog's queue counts in the same statement (G6: admission
+    costs one read, whatever it finds)."""
+    of_dialog = f'x."session_id" = "{_SESSIONS}"."id" AND x."status" = %s'
+    counts = {
+        "q_queued": _count(_TURNS, of_dialog, TurnStatus.QUEUED),
+        "q_running": _count(_TURNS, of_dialog, TurnStatus.RUNNING),
+        "q_staged": _count(_STAGED, of_dialog, StagedInput.Status.STAGED),
+        "q_all": _count(_TURNS, 'x."status" = %s', TurnStatus.QUEUED),
+    }
+    live = (
+        Session.objects.select_for_update()
+        .filter(pk=session_pk, deleted_at__isnull=True)
+        .annotate(**counts)
+        .first()
+    )
+    if live is None:
+        raise NotFound(_("Dialog not found."))
+    state = QueueState(
+        queued=live.q_queued,  # type: ignore[attr-defined]
+        running=live.q_running,  # type: ignore[attr-defined]
+        staged=bool(live.q_staged),  # type: ignore[attr-defined]
+        queued_everywhere=live.q_all,  # type: ignore[attr-defined]
+    )
+    return live, state
+
+
 def enqueue_locked(
     session: Session,
     *,
@@ -74,13 +128,11 @@ def enqueue_locked(
     received_at: Any,
     mode: str = TurnMode.SEND,
     retry_of: Turn | None = None,
+    state: QueueState | None = None,
 ) -> Turn:
-    """Append a queue item; the caller holds the session row lock in a transaction."""
-    queued = Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED).count()
-    if queued >= cfg["QUEUE_CAPACITY"]:
-        raise QueueFull()
-    if Turn.objects.filter(status=TurnStatus.QUEUED).count() >= cfg["GLOBAL_ADMISSION_BOUND"]:
-        raise Overloaded()
+    """Append a queue item; the caller holds the session row lock in a transaction (and
+    passes the queue counts when it read them with the lock, `lock_for_admission`)."""
+    check_capacity(session, cfg, state)
     Session.objects.filter(pk=session.pk).update(turn_counter=session.turn_counter + 1)
     session.turn_counter += 1
     return Turn.objects.create(
@@ -94,6 +146,19 @@ def enqueue_locked(
         received_at=received_at,
         retry_of=retry_of,
     )
+
+
+def check_capacity(session: Session, cfg: dict[str, Any], state: QueueState | None) -> None:
+    """C2: the dialog's queue and the queues of all dialogs have room for one more turn."""
+    if state is not None:
+        queued, everywhere = state.queued, state.queued_everywhere
+    else:
+        queued = Turn.objects.filter(session_id=session.pk, status=TurnStatus.QUEUED).count()
+        everywhere = Turn.objects.filter(status=TurnStatus.QUEUED).count()
+    if queued >= cfg["QUEUE_CAPACITY"]:
+        raise QueueFull()
+    if everywhere >= cfg["GLOBAL_ADMISSION_BOUND"]:
+        raise Overloaded()
 
 
 def position(turn: Turn) -> int:
@@ -121,10 +186,10 @@ class Started:
 
 
 def _admit_locked(
-    inbound: Inbound, live: Session, *, cfg: dict[str, Any], busy: bool
+    inbound: Inbound, live: Session, *, cfg: dict[str, Any], state: QueueState
 ) -> tuple[Ack, services.Appended | None, Turn | None]:
     """The admission of `admit`, on the dialog's row locked by the caller's transaction."""
-    if inbound.mode in ("steer", "inject") and busy:
+    if inbound.mode in ("steer", "inject") and state.busy:
         # C4/C5: staged durably, recorded at the running turn's next step boundary.
         StagedInput.objects.create(
             session_id=live.pk,
@@ -161,11 +226,12 @@ def _admit_locked(
         client_msg_id=inbound.client_msg_id,
         source=inbound.source(),
         received_at=inbound.received_at,
+        state=state,
     )
     # An idle steer is a send (C4), acknowledged as such.
     mode = "send" if inbound.mode == "steer" else inbound.mode
-    # Nothing queued or running before it: an idle dialog's send runs now.
-    at = 0 if not busy else position(turn)
+    # Every turn of the dialog queued or running is ahead of the one just added.
+    at = state.queued + state.running
     return Ack(live, str(turn.pk), at, mode, inbound.client_msg_id), None, turn
 
 
@@ -189,22 +255,27 @@ def admit_and_start(
     `start_as` with a new epoch (G2), claim the turn when its owner has a free slot (F7) and
     record its user message (C3). Anything else (a busy dialog, a lease held elsewhere, a
     turn still marked running that recovery must close first (C11), an owner at the cap) is
-    only admitted, exactly as `admit` does, and the caller takes the usual path (`kick`)."""
+    only admitted, exactly as `admit` does, and the caller takes the usual path (`kick`).
+
+    The started path is six statements on SQLite: the locked row with the queue counts,
+    the owner's slot, the turn inserted running, the user message, and one update of the
+    dialog's row (turn counter, lease, revision)."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         confirmed = time.monotonic()
         with transaction.atomic():
-            live = lock_live(session.pk)
+            live, state = lock_for_admission(session.pk)
             if inbound.accept is not None:
                 inbound.accept()
-            busy = Turn.objects.filter(
-                session_id=session.pk, status__in=(TurnStatus.QUEUED, TurnStatus.RUNNING)
-            ).exists()
-            ack, appended, turn = _admit_locked(inbound, live, cfg=cfg, busy=busy)
-            if turn is None or busy or start_as is None:
-                return ack, appended, None
-            started = _start_locked(live, turn, owner=start_as, cfg=cfg, confirmed=confirmed)
-            return ack, started.appended if started else None, started
+            if start_as is not None and inbound.mode in ("send", "steer") and not state.busy:
+                started = _start_locked(
+                    inbound, live, state, owner=start_as, cfg=cfg, confirmed=confirmed
+                )
+                if started is not None:
+                    ack = Ack(live, str(started.turn.pk), 0, "send", inbound.client_msg_id)
+                    return ack, started.appended, started
+            ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
+            return ack, appended, None
 
     ack, appended, started = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:
@@ -212,35 +283,58 @@ def admit_and_start(
     return ack, started
 
 
+# The dialog row's fields a started turn changes besides the append's own (`_start_locked`).
+_STARTED_FIELDS = ("turn_counter", "lease_owner", "lease_expires_at", "lease_epoch")
+
+
 def _start_locked(
-    live: Session, turn: Turn, *, owner: str, cfg: dict[str, Any], confirmed: float
+    inbound: Inbound,
+    live: Session,
+    state: QueueState,
+    *,
+    owner: str,
+    cfg: dict[str, Any],
+    confirmed: float,
 ) -> Started | None:
     """In the admitting transaction, on the locked row of an idle dialog (no queued or
-    running turn, so nothing for C11 recovery): the lease, the F7 slot, the claim and the
-    user message. None (the turn stays queued) when the lease is live or the owner is at
-    the cap."""
+    running turn, so nothing for C11 recovery): the lease, the F7 slot, the turn inserted
+    already running and its user message. None (nothing written: the caller queues the
+    turn) when the lease is live or the owner is at the cap."""
     now = timezone.now()
     if live.lease_owner and live.lease_expires_at is not None and live.lease_expires_at >= now:
         return None
-    turn.session = live
+    check_capacity(live, cfg, state)
+    turn = Turn(
+        session=live,
+        owner_id=inbound.owner.pk,
+        number=live.turn_counter + 1,
+        mode=TurnMode.SEND,
+        content=inbound.content,
+        client_msg_id=inbound.client_msg_id,
+        source=inbound.source(),
+        received_at=inbound.received_at,
+        status=TurnStatus.RUNNING,
+        started_at=now,
+    )
     limits.lock_owner(turn.owner_id)
     if not limits.turn_may_start(turn, cfg):
         return None
-    epoch = live.lease_epoch + 1
-    taken = (
-        Session.objects.filter(pk=live.pk, lease_epoch=live.lease_epoch)
-        .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
-        .update(
-            lease_owner=owner,
-            lease_expires_at=now + timedelta(seconds=cfg["LEASE_SECONDS"]),
-            lease_epoch=epoch,
-        )
-    )
-    if not taken:
-        return None
-    live.lease_owner, live.lease_epoch = owner, epoch
-    held = Lease(live.pk, owner, epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
-    return _begin_locked(live, turn, held, now=now)
+    turn.save(force_insert=True)
+    # The row is locked and its lease was read free above: it is ours with a new epoch
+    # (G2), written with the append's update of the row.
+    live.turn_counter = turn.number
+    live.lease_owner = owner
+    live.lease_expires_at = now + timedelta(seconds=cfg["LEASE_SECONDS"])
+    live.lease_epoch += 1
+    held = Lease(live.pk, owner, live.lease_epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
+    new, leftovers = start_messages(turn, staged=state.staged)
+
+    def mark(_locked: Session) -> None:
+        if leftovers:
+            turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
+
+    appended = services.append_locked(live, new, turn=turn, extra=mark, also=_STARTED_FIELDS)
+    return Started(turn, held, live, appended, live.generation)
 
 
 def _begin_locked(live: Session, turn: Turn, held: Lease, *, now: Any) -> Started:

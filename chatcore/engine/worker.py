@@ -361,6 +361,7 @@ class Workers:
                     runtime=runtime,
                     exclude_turn_partials=exclude,
                     pending=lead,
+                    session=session,
                 )
             except Exception:
                 logger.exception("context preparation failed", extra=log)

@@ -190,7 +190,10 @@ class TurnInputBuilder:
         pending: list[PendingMessage] | None = None,
         exclude_turn_partials: str | None = None,
         budget_ratio: float | None = None,
+        session: Session | None = None,
     ) -> PreparedInput:
+        """The model's input for a turn of the dialog. `session`: its row as the caller's
+        transaction just read it (the claim, G6); without it, the row is read here."""
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
         budget = int(self.context_window * ratio)
 
@@ -198,13 +201,13 @@ class TurnInputBuilder:
             # G6: the whole context (dialog row with its plan, compaction, history window,
             # memory notes) in one read transaction; F7: then the conversion, counting and
             # trimming, which grow with the dialog: all in one trip to a database thread.
-            session, history, compaction, skipped, notes = self._load_context(session_pk)
+            row, history, compaction, skipped, notes = self._load_context(session_pk, session)
             prepared = self.assemble(
-                session=session,
+                session=row,
                 history=history,
                 compaction=compaction,
                 notes=notes,
-                plan=session.plan or "",
+                plan=row.plan or "",
                 runtime=runtime,
                 pending=pending or [],
                 exclude_turn_partials=exclude_turn_partials,
@@ -234,12 +237,13 @@ class TurnInputBuilder:
         )
 
     def _load_context(
-        self, session_pk: str
+        self, session_pk: str, session: Session | None = None
     ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
         """Runs on a database thread (`on_db`), beside other dialogs' calls (F7), in one read
         transaction."""
         with selectors.read_transaction():
-            session = Session.objects.get(pk=session_pk)
+            if session is None:
+                session = Session.objects.get(pk=session_pk)
             compaction = (
                 Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
             )

@@ -187,9 +187,12 @@ def commit_persistence_failure(*, turn_pk: Any, fence: Lease | None = None) -> C
     return CommitResult(TurnStatus.FAILED, error=failure)
 
 
-def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedInput]]:
+def start_messages(
+    turn: Turn, *, staged: bool = True
+) -> tuple[list[services.NewMessage], list[StagedInput]]:
     """What enters history when `turn` starts (C3, C4): its user message (a send's), then
-    the steers an earlier failed turn left staged. Returns the messages and those inputs."""
+    the steers an earlier failed turn left staged. Returns the messages and those inputs.
+    `staged=False`: the caller knows nothing is staged (no read)."""
     new: list[services.NewMessage] = []
     if turn.mode == "send":
         new.append(
@@ -201,10 +204,14 @@ def start_messages(turn: Turn) -> tuple[list[services.NewMessage], list[StagedIn
                 source=dict(turn.source),
             )
         )
-    leftovers = list(
-        StagedInput.objects.filter(
-            session_id=turn.session_id, status=StagedInput.Status.STAGED
-        ).order_by("received_at")
+    leftovers = (
+        list(
+            StagedInput.objects.filter(
+                session_id=turn.session_id, status=StagedInput.Status.STAGED
+            ).order_by("received_at")
+        )
+        if staged
+        else []
     )
     for item in leftovers:
         new.append(

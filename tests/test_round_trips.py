@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 # G6: a send to an idle dialog is admitted, claimed under a fresh lease and its user message
 # recorded in one transaction; the context is read in a second one.
 ROUND_TRIPS_BEFORE_FIRST_TOKEN = 3
+# ... and the statements in them: the admission (the locked row with the queue counts, the
+# owner's lock on PostgreSQL, the F7 slot, the turn, the user message, the row's update)
+# and the context (compaction, history window, memory notes, messages).
+STATEMENTS_BEFORE_FIRST_TOKEN = 10
 
 
 class TripCounter:
@@ -85,6 +89,7 @@ async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
     print("\n".join(statements))
     assert ack.position == 0
     assert 1 <= len(trips) <= ROUND_TRIPS_BEFORE_FIRST_TOKEN, "\n".join(trips)
+    assert len(statements) <= STATEMENTS_BEFORE_FIRST_TOKEN, "\n".join(statements)
     # The turn ran to its end and its user message and answer are stored in order (C3).
     contents = [
         m.content

@@ -9,8 +9,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, QuerySet, Sum, Window
-from django.db.models.functions import Length
+from django.db.models import QuerySet
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -174,16 +173,20 @@ def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) ->
     """The seq after which the newest messages (past `after_seq`) hold at most about
     `max_chars` characters: the boundary message is included, older ones are not. One query,
     a running sum in the database (no rows are loaded), so a model input is read from a
-    window bounded by the model's context rather than by the dialog's length (F7)."""
-    first_over = (
-        Message.objects.filter(session_id=session_pk, seq__gt=after_seq)
-        .annotate(running=Window(Sum(Length("content")), order_by=F("seq").desc()))
-        .filter(running__gt=max_chars)
-        .order_by("-seq")
-        .values_list("seq", flat=True)
-        .first()
+    window bounded by the model's context rather than by the dialog's length (F7). It runs
+    before every turn's first token, so it is written in SQL (compiling the ORM's window
+    expression cost more than the query)."""
+    table = Message._meta.db_table
+    sql = (
+        'SELECT w."seq" FROM (SELECT m."seq" AS "seq",'  # noqa: S608 (our own table name)
+        ' SUM(LENGTH(m."content")) OVER (ORDER BY m."seq" DESC) AS "running"'
+        f' FROM "{table}" m WHERE m."session_id" = %s AND m."seq" > %s) w'
+        ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1'
     )
-    return after_seq if first_over is None else max(after_seq, first_over - 1)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [session_pk, after_seq, max_chars])
+        row = cursor.fetchone()
+    return after_seq if row is None else max(after_seq, int(row[0]) - 1)
 
 
 def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:

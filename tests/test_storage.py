@@ -354,3 +354,29 @@ def test_seqs_are_unique_per_session_not_global(user: Any) -> None:
     services.messages_append(session_pk=b.pk, messages=[user_msg("y")])
     assert stored_seqs(a) == [1, 2]
     assert stored_seqs(b) == [1, 2]
+
+
+# --- F7: the context's read window ----------------------------------------------------------
+
+
+def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_limit(user):
+    # covers: F7, C7
+    from sessions_app import selectors
+
+    session = create(user)
+    start = fresh(session).last_seq
+    services.messages_append(session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(5)])
+    seqs = stored_seqs(session)[-5:]
+    window = selectors.messages_window_start
+
+    # Everything fits: nothing is left out.
+    assert window(session_pk=session.pk, after_seq=start, max_chars=50) == start
+    # 25 characters: the two newest fit, the third crosses the limit and is still read.
+    assert window(session_pk=session.pk, after_seq=start, max_chars=25) == seqs[2] - 1
+    # 20 characters fill exactly with the two newest; the third still crosses, and is read.
+    assert window(session_pk=session.pk, after_seq=start, max_chars=20) == seqs[2] - 1
+    # Never before the compaction point it was given.
+    assert window(session_pk=session.pk, after_seq=seqs[3], max_chars=5) == seqs[3]
+    # Another dialog's messages do not count.
+    other = create(user, dialog_id="other")
+    assert window(session_pk=other.pk, after_seq=0, max_chars=5) == 0

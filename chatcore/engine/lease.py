@@ -24,10 +24,10 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from sessions_app.models import Session
+from sessions_app.models import Session, Turn, TurnStatus
 
 
 class LeaseLost(Exception):
@@ -64,15 +64,22 @@ class Lease:
             self.lost = True
             raise LeaseLost(self.session_pk)
 
-    def confirm(self) -> None:
+    def confirm(self, also: Exists | None = None) -> bool:
         """`check()` for a read that writes nothing: fail unless this lease is still the
-        current one, without locking the row (nor, on SQLite, taking the write lock)."""
-        held = Session.objects.filter(
+        current one, without locking the row (nor, on SQLite, taking the write lock).
+        `also`: a condition read in the same statement, returned (else True)."""
+        rows = Session.objects.filter(
             pk=self.session_pk, lease_owner=self.owner, lease_epoch=self.epoch
-        ).exists()
+        )
+        if also is None:
+            held, answer = rows.exists(), True
+        else:
+            values = list(rows.annotate(also=also).values_list("also", flat=True)[:1])
+            held, answer = bool(values), bool(values and values[0])
         if not held:
             self.lost = True
             raise LeaseLost(self.session_pk)
+        return answer
 
     def guard(self, locked: Session) -> None:
         """The same check on a session row the caller has just locked (no extra query)."""
@@ -194,3 +201,20 @@ def release(lease: Lease) -> None:
     Session.objects.filter(
         pk=lease.session_pk, lease_owner=lease.owner, lease_epoch=lease.epoch
     ).update(lease_owner="", lease_expires_at=None)
+
+
+def release_if_idle(lease: Lease) -> bool:
+    """Give the lease up if the dialog has no queued turn, in one statement: a turn queued
+    before it is seen here (False: the holder claims it); one queued after finds the lease
+    free (its enqueuer takes it). Only our own epoch, as `release`."""
+    queued = Turn.objects.filter(session_id=OuterRef("pk"), status=TurnStatus.QUEUED)
+    released = (
+        Session.objects.filter(
+            pk=lease.session_pk, lease_owner=lease.owner, lease_epoch=lease.epoch
+        )
+        .filter(~Exists(queued))
+        .update(lease_owner="", lease_expires_at=None)
+    )
+    if released:
+        lease.released = True
+    return bool(released)

@@ -497,8 +497,9 @@ def release_lease(held: Lease) -> None:
     lease.release(held)
 
 
-def has_queued(session_pk: str) -> bool:
-    return Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).exists()
+def release_if_idle(held: Lease) -> bool:
+    """Give the lease up unless a turn is queued (one statement, `lease.release_if_idle`)."""
+    return lease.release_if_idle(held)
 
 
 def claim_next(

@@ -212,27 +212,31 @@ class Workers:
                     await self._run_turn(turn)
                     self._wake_waiting(turn.turn)
                     continue
-                if turn is None and await self._linger(session_pk, wake):
-                    continue
-                # Release, then look once more: an item enqueued meanwhile is either seen
-                # here or its enqueuer's kick finds no worker and takes the lease itself.
-                await on_db(queue.release_lease)(held)
-                if turn is queue.HELD_BACK:
-                    # F7: the owner runs the most turns allowed. The queue waits, leaseless,
-                    # until one of the owner's turns ends (`_start_waiting`, any process) or
-                    # the sweep; a kick that came meanwhile means a slot may be free now.
+                if turn is None:
+                    if await self._linger(session_pk, wake):
+                        continue
+                    # Release unless a turn was queued meanwhile (then claim it): one
+                    # statement, so a turn queued after it finds the lease free and its
+                    # enqueuer's kick takes it (that kick came here if it found us: `wake`).
+                    if not await on_db(queue.release_if_idle)(held):
+                        continue
                     if wake.is_set():
                         again = await on_db(self._acquire)(session_pk)
                         if again is not None:
                             held = self._leases[session_pk] = again
                             continue
+                    # No await from the last check to the pop below (kicks run at awaits).
                     break
-                if await on_db(queue.has_queued)(session_pk) or wake.is_set():
+                # HELD_BACK (F7): the owner runs the most turns allowed. The queue waits,
+                # leaseless, until one of the owner's turns ends (`_start_waiting`, any
+                # process) or the sweep; a kick that came meanwhile means a slot may be free.
+                await on_db(queue.release_lease)(held)
+                if wake.is_set():
                     again = await on_db(self._acquire)(session_pk)
                     if again is not None:
                         held = self._leases[session_pk] = again
                         continue
-                # No await from the last check to the pop below (kick runs only at awaits).
+                # No await from the last check to the pop below (kicks run at awaits).
                 break
         except LeaseLost:
             # G2: another process took the dialog over; it runs the queue from here on.

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Exists
 
 from chatcore.common.errors import StorageError
-from sessions_app import selectors, services, storage, turn_services
+from sessions_app import services, storage, turn_services
 from sessions_app.models import (
     MessageKind,
     MessageStatus,
@@ -233,12 +234,14 @@ def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessag
     writes (F7: on SQLite a write transaction waits for every other one, and a hundred turns
     ending together would queue their boundaries behind each other's commits). Only staged
     inputs take the write transaction that claims them."""
-    with selectors.read_transaction():
-        if fence is not None:
-            fence.confirm()
-        staged = StagedInput.objects.filter(
-            session_id=turn.session_id, status=StagedInput.Status.STAGED
-        ).exists()
+    waiting = StagedInput.objects.filter(
+        session_id=turn.session_id, status=StagedInput.Status.STAGED
+    )
+    if fence is not None:
+        # One statement: the lease still ours, and whether anything is staged.
+        staged = fence.confirm(also=Exists(waiting))
+    else:
+        staged = waiting.exists()
     if not staged:
         return []
     with transaction.atomic():

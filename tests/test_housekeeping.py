@@ -268,3 +268,47 @@ def test_one_statement_renews_every_lease_and_a_taken_over_one_is_lost(user):
     with CaptureQueriesContext(connection) as ctx:
         assert queue.renew_leases([taken, released]) == []
     assert ctx.captured_queries == []
+
+
+def test_an_idle_dialog_gives_its_lease_up_in_one_statement_unless_a_turn_is_queued(user):
+    # covers: C1, C11, G2 (issue 10: the release after a turn looks at the queue atomically)
+    from django.conf import settings as django_settings
+
+    from chatcore.engine.sessions import SessionStates
+    from sessions_app import services
+
+    def dialog(name: str) -> Any:
+        return services.session_create(
+            owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id=name
+        )
+
+    idle, waiting, taken = dialog("idle"), dialog("waiting"), dialog("taken")
+    held: dict[str, lease.Lease] = {}
+    for s in (idle, waiting, taken):
+        got = lease.acquire(s.pk, owner="this-process", seconds=30)
+        assert got is not None
+        held[s.pk] = got
+    Turn.objects.create(session=waiting, owner=user, number=1, content="queued meanwhile")
+    Session.objects.filter(pk=taken.pk).update(
+        lease_owner="other-process", lease_epoch=F("lease_epoch") + 1
+    )
+
+    with CaptureQueriesContext(connection) as ctx:
+        released = {pk: queue.release_if_idle(h) for pk, h in held.items()}
+    assert len(ctx.captured_queries) == 3, [q["sql"] for q in ctx.captured_queries]
+
+    assert released == {idle.pk: True, waiting.pk: False, taken.pk: False}
+    rows = {s.pk: s for s in Session.objects.all()}
+    # The idle dialog's lease is free for whoever queues next.
+    assert rows[idle.pk].lease_owner == "" and rows[idle.pk].lease_expires_at is None
+    # The queued turn keeps the lease with its holder, which claims it next.
+    assert rows[waiting.pk].lease_owner == "this-process"
+    claimed = queue.claim_next(
+        waiting.pk, held[waiting.pk], cfg=django_settings.CHAT, states=SessionStates()
+    )
+    assert isinstance(claimed, queue.Started) and claimed.turn.content == "queued meanwhile"
+    # A successor's lease is never cleared.
+    assert (rows[taken.pk].lease_owner, rows[taken.pk].lease_epoch) == (
+        "other-process",
+        held[taken.pk].epoch + 1,
+    )

@@ -24,10 +24,36 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Q
 from django.utils import timezone
 
-from sessions_app.models import Session, Turn, TurnStatus
+from sessions_app.models import Session, StagedInput, Turn, TurnStatus
+
+_SESSIONS = Session._meta.db_table
+_SESSIONS_QUOTED = f'"{_SESSIONS}"'
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Rows of a dialog waiting for its lease holder: a table and the status they wait in."""
+
+    table: str
+    status: str
+
+    @property
+    def params(self) -> tuple[str]:
+        return (self.status,)
+
+    def sql(self, dialog: str) -> str:
+        """A SELECT of such rows of the dialog aliased `dialog` (one parameter: the status)."""
+        return (
+            f'SELECT 1 FROM "{self.table}" w'  # noqa: S608 (our own tables)
+            f' WHERE w."session_id" = {dialog}."id" AND w."status" = %s'
+        )
+
+
+QUEUED_TURNS = Waiting(Turn._meta.db_table, TurnStatus.QUEUED)
+STAGED_INPUTS = Waiting(StagedInput._meta.db_table, StagedInput.Status.STAGED)
 
 
 class LeaseLost(Exception):
@@ -64,22 +90,25 @@ class Lease:
             self.lost = True
             raise LeaseLost(self.session_pk)
 
-    def confirm(self, also: Exists | None = None) -> bool:
+    def confirm(self, waiting: Waiting | None = None) -> bool:
         """`check()` for a read that writes nothing: fail unless this lease is still the
         current one, without locking the row (nor, on SQLite, taking the write lock).
-        `also`: a condition read in the same statement, returned (else True)."""
-        rows = Session.objects.filter(
-            pk=self.session_pk, lease_owner=self.owner, lease_epoch=self.epoch
+        `waiting`: whether the dialog has rows of that kind waiting (queued turns, staged
+        inputs), read in the same statement and returned (else True). It runs after every
+        turn and at every step boundary, so it is written in SQL."""
+        found = f"EXISTS ({waiting.sql('s')})" if waiting else "1"
+        sql = (
+            f'SELECT {found} FROM "{_SESSIONS}" s'  # noqa: S608 (our own tables)
+            ' WHERE s."id" = %s AND s."lease_owner" = %s AND s."lease_epoch" = %s'
         )
-        if also is None:
-            held, answer = rows.exists(), True
-        else:
-            values = list(rows.annotate(also=also).values_list("also", flat=True)[:1])
-            held, answer = bool(values), bool(values and values[0])
-        if not held:
+        params = [*(waiting.params if waiting else ()), self.session_pk, self.owner, self.epoch]
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        if row is None:
             self.lost = True
             raise LeaseLost(self.session_pk)
-        return answer
+        return bool(row[0])
 
     def guard(self, locked: Session) -> None:
         """The same check on a session row the caller has just locked (no extra query)."""
@@ -206,15 +235,16 @@ def release(lease: Lease) -> None:
 def release_if_idle(lease: Lease) -> bool:
     """Give the lease up if the dialog has no queued turn, in one statement: a turn queued
     before it is seen here (False: the holder claims it); one queued after finds the lease
-    free (its enqueuer takes it). Only our own epoch, as `release`."""
-    queued = Turn.objects.filter(session_id=OuterRef("pk"), status=TurnStatus.QUEUED)
-    released = (
-        Session.objects.filter(
-            pk=lease.session_pk, lease_owner=lease.owner, lease_epoch=lease.epoch
-        )
-        .filter(~Exists(queued))
-        .update(lease_owner="", lease_expires_at=None)
+    free (its enqueuer takes it). Only our own epoch, as `release`. It runs after every
+    turn, so it is written in SQL."""
+    sql = (
+        f'UPDATE "{_SESSIONS}" SET "lease_owner" = %s, "lease_expires_at" = NULL'  # noqa: S608
+        ' WHERE "id" = %s AND "lease_owner" = %s AND "lease_epoch" = %s'
+        f" AND NOT EXISTS ({QUEUED_TURNS.sql(_SESSIONS_QUOTED)})"
     )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *QUEUED_TURNS.params])
+        released = cursor.rowcount == 1
     if released:
         lease.released = True
-    return bool(released)
+    return released

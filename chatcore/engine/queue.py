@@ -512,6 +512,10 @@ def claim_next(
     most turns allowed."""
 
     def claim() -> Started | object | None:
+        # Most claims after a turn find the queue empty: learnt in a read, with the lease
+        # (G2), beside other dialogs' writes (on SQLite, without the write lock).
+        if not held.confirm(lease.QUEUED_TURNS):
+            return None
         with transaction.atomic():
             live = Session.objects.select_for_update().filter(pk=session_pk).first()
             if live is None:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Exists
 
 from chatcore.common.errors import StorageError
 from sessions_app import services, storage, turn_services
@@ -26,7 +25,7 @@ from sessions_app.models import (
     TurnStatus,
 )
 
-from ..lease import Lease
+from ..lease import STAGED_INPUTS, Lease
 from ..sessions import SessionStates
 from .outcome import (
     Cancelled,
@@ -234,14 +233,13 @@ def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessag
     writes (F7: on SQLite a write transaction waits for every other one, and a hundred turns
     ending together would queue their boundaries behind each other's commits). Only staged
     inputs take the write transaction that claims them."""
-    waiting = StagedInput.objects.filter(
-        session_id=turn.session_id, status=StagedInput.Status.STAGED
-    )
     if fence is not None:
         # One statement: the lease still ours, and whether anything is staged.
-        staged = fence.confirm(also=Exists(waiting))
+        staged = fence.confirm(STAGED_INPUTS)
     else:
-        staged = waiting.exists()
+        staged = StagedInput.objects.filter(
+            session_id=turn.session_id, status=StagedInput.Status.STAGED
+        ).exists()
     if not staged:
         return []
     with transaction.atomic():

@@ -44,6 +44,16 @@ class Waiting:
     def params(self) -> tuple[str]:
         return (self.status,)
 
+    def of(self, session_pk: str) -> bool:
+        """Whether the dialog has such rows (one statement; no lease involved)."""
+        sql = (
+            f'SELECT 1 FROM "{self.table}" w'  # noqa: S608 (our own tables)
+            ' WHERE w."session_id" = %s AND w."status" = %s LIMIT 1'
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [session_pk, self.status])
+            return cursor.fetchone() is not None
+
     def sql(self, dialog: str) -> str:
         """A SELECT of such rows of the dialog aliased `dialog` (one parameter: the status)."""
         return (

@@ -30,7 +30,7 @@ from django.contrib.auth.models import User
 from django.core.cache import cache, caches
 from django.core.cache.backends.locmem import LocMemCache
 from django.db import connection
-from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery
+from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from chatcore.common.dbthreads import on_db
@@ -180,18 +180,24 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
     queued turn first, as many as the party has free slots: those to start now (any process
     may take them). One query when nothing waits, the usual case."""
     cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    mine = party(turn.owner_id, turn.session.channel, turn.session.chat_id)
-    rows = list(
-        Turn.objects.filter(mine, status=TurnStatus.QUEUED)
-        .exclude(session__turns__status=TurnStatus.RUNNING)
-        .values("session_id")
-        .annotate(first=Min("received_at"))
-        .order_by("first")[:cap]
+    session = turn.session
+    where, params = _party_sql("t", "s", turn.owner_id, session.channel, session.chat_id)
+    # It runs after every turn, so it is written in SQL (our own tables; values are params).
+    sql = (
+        f'SELECT t."session_id", MIN(t."received_at") AS "first" FROM "{_TURNS}" t'  # noqa: S608
+        f' INNER JOIN "{_SESSIONS}" s ON s."id" = t."session_id"'
+        f' WHERE {where} AND t."status" = %s AND NOT EXISTS (SELECT 1 FROM "{_TURNS}" r'
+        ' WHERE r."session_id" = t."session_id" AND r."status" = %s)'
+        ' GROUP BY t."session_id" ORDER BY "first" LIMIT %s'
     )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, TurnStatus.QUEUED, TurnStatus.RUNNING, cap])
+        rows = [row[0] for row in cursor.fetchall()]
     if not rows:
         return []
+    mine = party(turn.owner_id, session.channel, session.chat_id)
     free = cap - Turn.objects.filter(mine, status=TurnStatus.RUNNING).count()
-    return [r["session_id"] for r in rows[: max(0, free)]]
+    return rows[: max(0, free)]
 
 
 def not_held_back(qs: QuerySet[Session], cfg: Mapping[str, Any] | None = None) -> QuerySet[Session]:

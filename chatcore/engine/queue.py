@@ -589,6 +589,8 @@ def after_turn_staged(
     """Inputs staged after the last boundary are never lost: injects enter history now;
     steers after a completed turn become sends (C4: when idle, steer is a send); after a
     failure steers stay staged for the next send or retry; a stop dropped them."""
+    if not lease.STAGED_INPUTS.of(turn.session_id):
+        return
     staged = list(
         StagedInput.objects.filter(
             session_id=turn.session_id, status=StagedInput.Status.STAGED

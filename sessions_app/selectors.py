@@ -16,7 +16,16 @@ from django.utils.translation import gettext as _
 from chatcore.common.errors import NotFound, ReadOnlyDialog
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, SessionKey
 
-from .models import ChannelChat, Message, Session, StagedInput, Turn, TurnStatus
+from .models import (
+    ChannelChat,
+    Compaction,
+    MemoryNote,
+    Message,
+    Session,
+    StagedInput,
+    Turn,
+    TurnStatus,
+)
 
 
 @contextmanager
@@ -187,6 +196,29 @@ def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) ->
         cursor.execute(sql, [session_pk, after_seq, max_chars])
         row = cursor.fetchone()
     return after_seq if row is None else max(after_seq, int(row[0]) - 1)
+
+
+def compaction_latest(*, session_pk: str) -> Compaction | None:
+    """The dialog's newest compaction (B5), read before every turn (in SQL, one statement)."""
+    table = Compaction._meta.db_table
+    sql = (
+        f'SELECT c."id", c."session_id", c."through_seq", c."summary", c."created_at"'  # noqa: S608
+        f' FROM "{table}" c WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1'
+    )
+    found = list(Compaction.objects.raw(sql, [session_pk]))
+    return found[0] if found else None
+
+
+def memory_notes_recent(*, owner_id: int, limit: int = 20) -> list[str]:
+    """The owner's newest memory notes, oldest first, read before every turn (in SQL)."""
+    table = MemoryNote._meta.db_table
+    sql = (
+        f'SELECT n."content" FROM "{table}" n WHERE n."owner_id" = %s'  # noqa: S608
+        ' ORDER BY n."created_at" DESC LIMIT %s'
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [owner_id, limit])
+        return [row[0] for row in reversed(cursor.fetchall())]
 
 
 def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:

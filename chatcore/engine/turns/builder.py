@@ -22,7 +22,7 @@ from django.conf import settings
 
 from chatcore.common.dbthreads import on_db
 from sessions_app import selectors
-from sessions_app.models import Compaction, MemoryNote, Message, MessageKind, Session
+from sessions_app.models import Compaction, Message, MessageKind, Session
 
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
@@ -244,9 +244,7 @@ class TurnInputBuilder:
         with selectors.read_transaction():
             if session is None:
                 session = Session.objects.get(pk=session_pk)
-            compaction = (
-                Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
-            )
+            compaction = selectors.compaction_latest(session_pk=session_pk)
             through = compaction.through_seq if compaction else 0
             # F7: read only the newest messages that could fit the model's window at all;
             # a dialog longer than that costs one summing query, not one row per message.
@@ -260,8 +258,7 @@ class TurnInputBuilder:
                 skipped = selectors.messages_count_between(
                     session_pk=session_pk, after_seq=through, through_seq=window
                 )
-            rows = MemoryNote.objects.filter(owner_id=session.owner_id).order_by("-created_at")[:20]
-            notes = [n.content for n in reversed(list(rows))]
+            notes = selectors.memory_notes_recent(owner_id=session.owner_id)
             history = self.states.history(session, after_seq=window)
         return session, history, compaction, skipped, notes
 

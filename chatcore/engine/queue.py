@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Case, F, Q, TextField, Value, When
-from django.db.models.expressions import RawSQL
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -83,36 +82,41 @@ class QueueState:
         return bool(self.queued or self.running)
 
 
-def _count(table: str, where: str, *params: Any) -> RawSQL:
-    """A COUNT subquery of one of our tables (alias `x`, `where` may refer to the outer
-    dialog row); the SQL names only our own tables and values are parameters."""
-    sql = f'SELECT COUNT(*) FROM "{table}" x WHERE {where}'  # noqa: S608
-    return RawSQL(sql, params)  # noqa: S611
-
-
 def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
     """`lock_live`, with the dialog's queue counts in the same statement (G6: admission
-    costs one read, whatever it finds)."""
-    of_dialog = f'x."session_id" = "{_SESSIONS}"."id" AND x."status" = %s'
-    counts = {
-        "q_queued": _count(_TURNS, of_dialog, TurnStatus.QUEUED),
-        "q_running": _count(_TURNS, of_dialog, TurnStatus.RUNNING),
-        "q_staged": _count(_STAGED, of_dialog, StagedInput.Status.STAGED),
-        "q_all": _count(_TURNS, 'x."status" = %s', TurnStatus.QUEUED),
-    }
-    live = (
-        Session.objects.select_for_update()
-        .filter(pk=session_pk, deleted_at__isnull=True)
-        .annotate(**counts)
-        .first()
+    costs one read, whatever it finds). It runs for every send, so it is written in SQL:
+    our own tables, values as parameters; FOR UPDATE where the database has it (SQLite's
+    write transaction already serialises)."""
+    counts = (
+        f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
+        ' AND t."status" = %s) AS "q_queued",'
+        f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'
+        ' AND t."status" = %s) AS "q_running",'
+        f' (SELECT COUNT(*) FROM "{_STAGED}" i WHERE i."session_id" = s."id"'
+        ' AND i."status" = %s) AS "q_staged",'
+        f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."status" = %s) AS "q_all"'
     )
-    if live is None:
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    sql = (
+        f'SELECT s.*, {counts} FROM "{_SESSIONS}" s'  # noqa: S608
+        f' WHERE s."id" = %s AND s."deleted_at" IS NULL{lock}'
+    )
+    params = [
+        TurnStatus.QUEUED,
+        TurnStatus.RUNNING,
+        StagedInput.Status.STAGED,
+        TurnStatus.QUEUED,
+        session_pk,
+    ]
+    found = list(Session.objects.raw(sql, params))
+    if not found:
         raise NotFound(_("Dialog not found."))
+    live = found[0]
     state = QueueState(
-        queued=live.q_queued,  # type: ignore[attr-defined]
-        running=live.q_running,  # type: ignore[attr-defined]
+        queued=int(live.q_queued),  # type: ignore[attr-defined]
+        running=int(live.q_running),  # type: ignore[attr-defined]
         staged=bool(live.q_staged),  # type: ignore[attr-defined]
-        queued_everywhere=live.q_all,  # type: ignore[attr-defined]
+        queued_everywhere=int(live.q_all),  # type: ignore[attr-defined]
     )
     return live, state
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -376,6 +376,17 @@ def append_locked(
     return Appended(session=locked, base_revision=base, messages=rows)
 
 
+def lock_session(session_pk: str) -> Session | None:
+    """The dialog's row, locked for the caller's transaction (FOR UPDATE where the database
+    has it; SQLite's write transaction already serialises). Every write of a turn starts
+    with it, so it is written in SQL: our own table, the id as a parameter."""
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    table = Session._meta.db_table
+    sql = f'SELECT * FROM "{table}" WHERE "id" = %s{lock}'  # noqa: S608
+    found = list(Session.objects.raw(sql, [session_pk]))
+    return found[0] if found else None
+
+
 def messages_append(
     *,
     session_pk: str,
@@ -402,7 +413,9 @@ def messages_append(
 
     def write() -> Appended:
         with transaction.atomic():
-            locked = Session.objects.select_for_update().get(pk=session_pk)
+            locked = lock_session(session_pk)
+            if locked is None:
+                raise Session.DoesNotExist(session_pk)
             if guard is not None:
                 guard(locked)
             if require_generation is not None and (

@@ -55,10 +55,8 @@ HELD_BACK = object()
 
 def lock_live(session_pk: str) -> Session:
     """Lock a live dialog's row for this transaction (queue changes serialise on it)."""
-    live = (
-        Session.objects.select_for_update().filter(pk=session_pk, deleted_at__isnull=True).first()
-    )
-    if live is None:
+    live = services.lock_session(session_pk)
+    if live is None or live.deleted_at is not None:
         raise NotFound(_("Dialog not found."))
     return live
 
@@ -521,7 +519,7 @@ def claim_next(
         if not held.confirm(lease.QUEUED_TURNS):
             return None
         with transaction.atomic():
-            live = Session.objects.select_for_update().filter(pk=session_pk).first()
+            live = services.lock_session(session_pk)
             if live is None:
                 held.lost = True
                 raise LeaseLost(session_pk)

@@ -1,0 +1,195 @@
+"""Where a turn's CPU goes, embedded mode: every trip to the database threads (`on_db`) a
+turn makes, with its calls, thread CPU and statements per turn, and the event loop's CPU.
+
+    .venv/bin/python bench/turn_phases.py [--turns 200] [--code-root PATH]
+
+Sequential turns in one dialog against a zero-latency model (`httpx.MockTransport`), after a
+warm-up; CPU is thread CPU time (`time.thread_time`), so the figures hold up on a busy
+machine better than wall times. `--code-root` measures another checkout (a worktree of an
+older commit) with the same script, for a before/after in one sitting. It creates its own
+SQLite database in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Trips:
+    """Per-function totals of the database threads' calls while `counting`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counting = False
+        self.by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
+        self.local = threading.local()
+
+    def install(self) -> None:
+        from django.db.backends.utils import CursorWrapper
+
+        from chatcore.common import dbthreads
+
+        trips = self
+        real_execute = getattr(CursorWrapper, "_execute")  # noqa: B009
+        real_call = dbthreads._call
+
+        def execute(self: CursorWrapper, sql: str, params: Any, *rest: Any) -> Any:
+            trips.local.statements = getattr(trips.local, "statements", 0) + 1
+            return real_execute(self, sql, params, *rest)
+
+        def call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            inner = fn
+            while hasattr(inner, "func"):
+                inner = inner.func
+            name = getattr(inner, "__qualname__", type(inner).__name__)
+            started = time.thread_time()
+            trips.local.statements = 0
+            try:
+                return real_call(fn, *args, **kwargs)
+            finally:
+                if trips.counting:
+                    with trips.lock:
+                        row = trips.by_name[name]
+                        row[0] += 1
+                        row[1] += time.thread_time() - started
+                        row[2] += trips.local.statements
+
+        setattr(CursorWrapper, "_execute", execute)  # noqa: B010
+        dbthreads._call = call
+
+
+def sse_body(text: str) -> bytes:
+    import json
+
+    def event(delta: dict[str, Any], finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+
+    words = [w + " " for w in text.split()]
+    body = "".join(event({"content": w}) for w in words) + event({}, "stop") + "data: [DONE]\n\n"
+    return body.encode()
+
+
+async def main(args: argparse.Namespace, trips: Trips) -> None:
+    import httpx
+    from asgiref.sync import sync_to_async
+    from channels.layers import get_channel_layer
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from chatcore.common import publish
+    from chatcore.engine.engine import Engine, Inbound
+    from chatcore.engine.provider import OpenAIProvider
+    from sessions_app import services
+
+    await sync_to_async(call_command)("migrate", verbosity=0)
+    user = await sync_to_async(get_user_model().objects.create_user)("bench")
+    body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    provider = OpenAIProvider(
+        base_url="http://model.invalid/v1", model="bench", transport=httpx.MockTransport(handler)
+    )
+    engine = Engine(provider=provider, name="bench")
+    await engine.start()
+    layer = get_channel_layer()
+    session = await sync_to_async(services.session_create)(
+        owner=user, channel="api", chat_id=f"u{user.pk}", dialog_id="phases"
+    )
+    channel = await layer.new_channel("bench.")
+    await layer.group_add(publish.session_group(session.pk), channel)
+    await layer.group_add(publish.chat_group(session.channel, session.chat_id), channel)
+    firsts: list[float] = []
+
+    async def one(i: int) -> None:
+        inbound = Inbound(
+            owner=user, channel="api", chat_id=f"u{user.pk}", content=f"q {i}", sender_id="b"
+        )
+        started = time.perf_counter()
+        ack = await engine.submit(inbound, session)
+        first = None
+        while True:
+            frame = (await layer.receive(channel))["frame"]
+            if frame.get("turn_id") != ack.turn_id:
+                continue
+            if frame["type"] == "turn_snapshot" and first is None:
+                first = time.perf_counter() - started
+            if frame["type"] == "turn_updated":
+                break
+        firsts.append((first or 0.0) * 1000)
+        # Past the lease's linger: every turn starts on an idle dialog.
+        await asyncio.sleep(0.15)
+
+    for i in range(args.warmup):
+        await one(i)
+    firsts.clear()
+    trips.counting = True
+    loop_started, process_started = time.thread_time(), time.process_time()
+    for i in range(args.turns):
+        await one(i)
+    loop_cpu = time.thread_time() - loop_started
+    process_cpu = time.process_time() - process_started
+    trips.counting = False
+    await engine.shutdown(grace=5)
+
+    n = args.turns
+    firsts.sort()
+    print(f"{n} sequential turns in one dialog (after {args.warmup} to warm up)")
+    print(
+        f"submit to first snapshot, in process: p50 {firsts[n // 2]:.2f} ms,"
+        f" p90 {firsts[int(n * 0.9)]:.2f} ms"
+    )
+    print(
+        f"CPU per turn: process {process_cpu / n * 1000:.2f} ms, loop {loop_cpu / n * 1000:.2f} ms"
+    )
+    print()
+    print("| database trip | calls/turn | thread CPU/turn (ms) | statements/turn |")
+    print("|---|---|---|---|")
+    total = 0.0
+    for name, (calls, cpu, statements) in sorted(trips.by_name.items(), key=lambda kv: -kv[1][1]):
+        total += cpu
+        if calls / n < 0.5:
+            continue  # housekeeping that runs once a second, not per turn
+        print(f"| `{name}` | {calls / n:.2f} | {cpu / n * 1000:.2f} | {statements / n:.1f} |")
+    print(f"| all database threads | | {total / n * 1000:.2f} | |")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--code-root", default=str(ROOT), help="the checkout to measure")
+    ns = parser.parse_args()
+    sys.path.insert(0, str(Path(ns.code_root).resolve()))
+    os.environ.update(
+        {
+            "CHAT_VAR_DIR": tempfile.mkdtemp(prefix="chat-phases-"),
+            "DATABASE_URL": "",
+            "REDIS_URL": "",
+            "LOG_LEVEL": "WARNING",
+            "CHAT_RATE_LIMIT_PER_MINUTE": "1000000",
+            "CHAT_WRITE_RATE_PER_MINUTE": "1000000",
+            "DJANGO_SETTINGS_MODULE": "chatcore.settings",
+        }
+    )
+    import django
+
+    django.setup()
+    found = Trips()
+    found.install()
+    asyncio.run(main(ns, found))

@@ -272,6 +272,8 @@ class Stream:
     done_at: float
     chars: int
     ok: bool
+    # Why not ok: a gap in the snapshots, the turn's end, or the rebuilt text's difference.
+    why: str = ""
 
 
 async def one_client(
@@ -299,23 +301,31 @@ async def one_client(
             await ws.send(json.dumps({"type": "send", "content": content}))
             first = None
             text = ""
-            ok = True
+            why: list[str] = []
             while True:
                 frame = json.loads(await ws.recv())
                 kind = frame["type"]
                 if kind == "turn_snapshot":
                     first = first or time.perf_counter()
                     if frame["text_offset"] > len(text):
-                        ok = False
+                        why.append(f"gap: offset {frame['text_offset']} after {len(text)} chars")
                     text = text[: frame["text_offset"]] + frame["text"]
                 elif kind == "turn_updated":
-                    ok = ok and frame["status"] == "completed"
+                    if frame["status"] != "completed":
+                        why.append(f"ended {frame['status']} {frame.get('reason') or ''}")
+                        why.append(json.dumps(frame.get("error")))
                     break
                 elif kind == "error":
                     raise RuntimeError(frame)
+            if text != expected:
+                same = next(
+                    (i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b),
+                    min(len(text), len(expected)),
+                )
+                why.append(f"text: {len(text)} of {len(expected)} chars, same up to {same}")
             now = time.perf_counter()
             out.append(
-                Stream((first or now) - sent_at, sent_at, now, len(text), ok and text == expected)
+                Stream((first or now) - sent_at, sent_at, now, len(text), not why, "; ".join(why))
             )
     return out
 
@@ -341,7 +351,7 @@ async def run_clients(
     return [s for result in await asyncio.gather(*tasks) for s in result]
 
 
-def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str, float]:
+def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str, Any]:
     fast_first, _ = model.own_times(paced=False)
     _, paced_total = model.own_times(paced=True)
     # Warm up (imports, connections), then one turn at a time.
@@ -361,6 +371,7 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
         "delivered": delivered / offered,
         "burst_p99": percentile([s.ttft * 1000 for s in burst], 99),
         "mismatches": sum(not s.ok for s in serial + burst),
+        "why": [s.why for s in serial + burst if not s.ok][:5],
     }
 
 
@@ -371,7 +382,7 @@ def main(args: argparse.Namespace) -> None:
     plans: list[tuple[str, Any]] = [
         ("floor relay", lambda: start_floor(model, tmp)),
         (
-            "platform, embedded",
+            "embedded",
             lambda: start_platform(
                 "platform, embedded", platform_env(model, tmp / "emb"), tmp, 1, users
             ),
@@ -389,6 +400,8 @@ def main(args: argparse.Namespace) -> None:
                 return target
 
             plans.append((f"scaled {n}", plan))
+    if args.skip:
+        plans = [(label, start) for label, start in plans if label not in args.skip]
     (tmp / "emb").mkdir()
     rows = []
     try:
@@ -399,7 +412,10 @@ def main(args: argparse.Namespace) -> None:
             finally:
                 target.stop()
             rows.append((target.name, row))
+            why = row.pop("why")
             print(target.name, {k: round(v, 2) for k, v in row.items()}, flush=True)
+            for reason in why:
+                print(f"  mismatch: {reason}", flush=True)
     finally:
         model.stop()
     floor = rows[0][1]
@@ -433,6 +449,13 @@ if __name__ == "__main__":
     parser.add_argument("--chunk", type=int, default=4, help="characters per model delta")
     parser.add_argument("--pace", type=float, default=0.02, help="seconds per delta when paced")
     parser.add_argument("--scaled", action="store_true", help="also PostgreSQL + Redis, 1 and 2")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["embedded", "scaled 1", "scaled 2"],
+        help="leave a target out (the floor always runs: every figure is a ratio to it)",
+    )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
     parser.add_argument("--serve-model", action="store_true", help=argparse.SUPPRESS)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,32 @@ def manage(
         timeout=timeout,
         check=False,
     )
+
+
+_migrated_lock = threading.Lock()
+_migrated: list[Path] = []
+
+
+def migrate_embedded(env: dict[str, str]) -> None:
+    """A migrated database in the embedded-mode folder of `env` (`embedded_env`), as
+    `manage.py migrate` leaves it: the first call of a test run migrates a database of its own,
+    later calls copy that one (a fresh file each time, the same schema)."""
+    assert not env.get("DATABASE_URL"), "migrate_embedded is for embedded mode (its own SQLite)"
+    with _migrated_lock:
+        if not _migrated:
+            folder = Path(tempfile.mkdtemp(prefix="chat-migrated-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            done = manage("migrate", "--noinput", env=embedded_env(folder))
+            assert done.returncode == 0, f"migrate failed:\n{done.stdout}\n{done.stderr}"
+            _migrated.append(folder / "chat.sqlite3")
+        template = _migrated[0]
+    target = Path(env["CHAT_VAR_DIR"]) / "chat.sqlite3"
+    assert not target.exists(), f"{target} exists already"
+    # SQLite's backup API: a consistent copy whatever the journal mode left beside the file.
+    with sqlite3.connect(template) as source, sqlite3.connect(target) as copy:
+        source.backup(copy)
+    source.close()
+    copy.close()
 
 
 def popen_manage(*args: str, env: dict[str, str], **kwargs: Any) -> subprocess.Popen[str]:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fakemodel import FakeModelServer, Reply
 from tests.fakeplatforms import TELEGRAM_TOKEN, FakeTelegram
-from tests.procs import ServeProcess, embedded_env, manage
+from tests.procs import ServeProcess, embedded_env, migrate_embedded
 
 pytestmark = [pytest.mark.slow]
 
@@ -53,8 +53,7 @@ def test_an_answer_left_open_by_a_killed_process_is_closed_after_a_restart(
         # A short lease, so the restarted process takes the dead one's dialog over soon.
         CHAT_LEASE_SECONDS="3",
     )
-    done = manage("migrate", "--noinput", env=env)
-    assert done.returncode == 0, done.stderr
+    migrate_embedded(env)
     fake_model.script(Reply(text="partial words ", endless=True, delay=0.05))
     update = fake_telegram.update("write forever")
     own = str(update["message"]["message_id"])

@@ -62,9 +62,7 @@ def env(
 
 @pytest.fixture(scope="module")
 def served(env: dict[str, str]) -> Iterator[Served]:
-    migrate_embedded(env)
-    done = manage("ensure_demo_user", env=env)
-    assert done.returncode == 0, f"ensure_demo_user failed:\n{done.stdout}\n{done.stderr}"
+    migrate_embedded(env, demo_user=True)
     server = Served(Path(env["CHAT_VAR_DIR"]), env)
     server.start()
     try:

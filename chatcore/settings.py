@@ -256,6 +256,10 @@ CHAT: dict[str, Any] = {
     "SINK_RETRIES": 3,
     "SINK_BACKOFF_SECONDS": 0.2,
     "SINK_TIMEOUT_SECONDS": 10.0,
+    # D4, C11: how long a platform message left open by a dead process waits after its turn
+    # ended before another process closes it, and how often each process looks for such.
+    "DELIVERY_ORPHAN_GRACE_SECONDS": _env_int("CHAT_DELIVERY_ORPHAN_GRACE_SECONDS", 5),
+    "DELIVERY_RECONCILE_SECONDS": _env_int("CHAT_DELIVERY_RECONCILE_SECONDS", 2),
     # F7 fairness: one user never degrades the others (see README "Configuration").
     "USER_RUNNING_TURNS": _env_int("CHAT_USER_RUNNING_TURNS", 4),
     "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),

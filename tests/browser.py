@@ -19,7 +19,7 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.fakemodel import FakeModelServer, echo_reply
-from tests.procs import ROOT, embedded_env, manage
+from tests.procs import ROOT, embedded_env, migrate_embedded
 from tests.procs import ServeProcess as Served
 
 CHROMIUM = "/usr/bin/chromium"
@@ -63,9 +63,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, model: FakeModelServer) -> 
         CHAT_RATE_LIMIT_PER_MINUTE="100000",
         CHAT_AUTO_TITLE_AFTER="100000",
     )
-    for args in (("migrate", "--noinput"), ("ensure_demo_user",)):
-        done = manage(*args, env=env)
-        assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
+    migrate_embedded(env, demo_user=True)
     server = Served(var_dir, env)
     server.start()
     try:

@@ -55,6 +55,17 @@ def _close_sync_thread_connections(django_db_setup: None) -> Iterator[None]:
     dbthreads.close_all()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing() -> Iterator[None]:
+    """A one-round hasher for the passwords the tests set and check in this process: the
+    default PBKDF2 spends about 0.3 s of CPU per user made or signed in, and no test here is
+    about the hasher. Servers the tests start as subprocesses keep the default hashers."""
+    from django.test import override_settings
+
+    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _english_after_each_test() -> Iterator[None]:
     """LocaleMiddleware activates a request's language on the thread that served it and

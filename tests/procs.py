@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,49 @@ def manage(
         timeout=timeout,
         check=False,
     )
+
+
+_templates_lock = threading.RLock()
+_templates: dict[str | None, Path] = {}
+
+
+def _copy_database(source_path: Path, folder: Path) -> None:
+    target = folder / "chat.sqlite3"
+    assert not target.exists(), f"{target} exists already"
+    # SQLite's backup API: a consistent copy whatever the journal mode left beside the file.
+    source, copy = sqlite3.connect(source_path), sqlite3.connect(target)
+    try:
+        source.backup(copy)
+    finally:
+        source.close()
+        copy.close()
+
+
+def _template(demo_password: str | None) -> Path:
+    """The database `migrate` (and `ensure_demo_user` with this password) made once this run."""
+    with _templates_lock:
+        if demo_password not in _templates:
+            folder = Path(tempfile.mkdtemp(prefix="chat-template-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            env = embedded_env(folder)
+            if demo_password is None:
+                done = manage("migrate", "--noinput", env=env)
+            else:
+                _copy_database(_template(None), folder)
+                done = manage("ensure_demo_user", env={**env, "DEMO_PASSWORD": demo_password})
+            assert done.returncode == 0, f"template failed:\n{done.stdout}\n{done.stderr}"
+            _templates[demo_password] = folder / "chat.sqlite3"
+        return _templates[demo_password]
+
+
+def migrate_embedded(env: dict[str, str], *, demo_user: bool = False) -> None:
+    """A migrated database in the embedded-mode folder of `env` (`embedded_env`), as
+    `manage.py migrate` leaves it (then `ensure_demo_user` with the env's DEMO_PASSWORD, if
+    `demo_user`): the first call of a test run runs the commands on a database of its own,
+    later calls copy that one (a fresh file each time, the same content)."""
+    assert not env.get("DATABASE_URL"), "migrate_embedded is for embedded mode (its own SQLite)"
+    template = _template(env["DEMO_PASSWORD"] if demo_user else None)
+    _copy_database(template, Path(env["CHAT_VAR_DIR"]))
 
 
 def popen_manage(*args: str, env: dict[str, str], **kwargs: Any) -> subprocess.Popen[str]:

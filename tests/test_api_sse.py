@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.fakemodel import FakeModelServer, Reply
-from tests.procs import ServeProcess, embedded_env, manage
+from tests.procs import ServeProcess, embedded_env, manage, migrate_embedded
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,7 @@ class LiveApi:
 def serve_api(var_dir: Path, model_url: str, **env_extra: str) -> Iterator[LiveApi]:
     """A migrated embedded-mode server on a free port with a bearer token for a new user."""
     env = embedded_env(var_dir, LLM_BASE_URL=model_url, **env_extra)
-    done = manage("migrate", "--noinput", env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    migrate_embedded(env)
     issued = manage("issue_token", "apiuser", "--create-user", env=env)
     assert issued.returncode == 0, issued.stdout + issued.stderr
     token = issued.stdout.strip().splitlines()[-1]

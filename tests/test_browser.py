@@ -157,7 +157,8 @@ def test_a_failed_answer_says_why_and_can_be_retried(tab: Tab, model: FakeModelS
 
 def test_reload_mid_answer_resumes_the_stream(tab: Tab, model: FakeModelServer) -> None:
     # covers: E1, D3
-    model.script(Reply(text=LONG * 3, chunk=3, delay=0.04))  # about 9 s of streaming
+    reply = Reply(text=LONG * 3, chunk=3, delay=0.04)  # about 9 s of streaming
+    model.script(reply)
     tab.send("A long answer, please.")
     tab.wait_stream_contains("latest-wins")
 
@@ -175,6 +176,7 @@ def test_reload_mid_answer_resumes_the_stream(tab: Tab, model: FakeModelServer) 
         timeout=WAIT_MS,
     )
     expect(tab.page.locator("#stop-button")).to_be_visible()
+    reply.delay = 0.0  # resumed and growing: the rest of the answer need not trickle
     answer = tab.answers().last
     expect(answer).to_contain_text("only the new tail", timeout=45_000)
     expect(tab.page.locator("#live .msg-streaming")).to_have_count(0)

@@ -18,7 +18,7 @@ from tests.browser import CHROMIUM, PASSWORD, Tab, _require_chromium, _screensho
 from tests.fakemodel import FakeModelServer, Reply, echo_reply
 from tests.fakeplatforms import TELEGRAM_TOKEN, FakeTelegram
 from tests.procs import ServeProcess as Served
-from tests.procs import embedded_env, manage
+from tests.procs import embedded_env, manage, migrate_embedded
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -62,9 +62,7 @@ def env(
 
 @pytest.fixture(scope="module")
 def served(env: dict[str, str]) -> Iterator[Served]:
-    for args in (("migrate", "--noinput"), ("ensure_demo_user",)):
-        done = manage(*args, env=env)
-        assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
+    migrate_embedded(env, demo_user=True)
     server = Served(Path(env["CHAT_VAR_DIR"]), env)
     server.start()
     try:

@@ -50,6 +50,9 @@ def test_dialogs_new_switch_rename_delete(tab: Tab, context: Any, served: Served
 
     # A second tab watches the titles change live.
     other = Tab(context.new_page(), served.base).open()
+    # The user acts in the first tab, the one in front (Chromium runs no animation frames for
+    # a tab behind another, so every click there would wait for its stability check).
+    page.bring_to_front()
 
     page.locator(f'.dialog-item[data-dialog-id="{second}"] .dialog-more').click()
     page.get_by_role("menuitem", name="Rename").click()

@@ -82,6 +82,7 @@ def test_signing_out_in_one_tab_ends_the_other_tabs_socket(
     violations = csp_violations(first.page)
     first.login()
     second = Tab(context.new_page(), served.base).open()
+    first.page.bring_to_front()  # the user signs out in the tab in front
     first.page.get_by_role("button", name="Sign out").click()
     first.page.wait_for_url(re.compile(r"/accounts/login/"))
     # The other tab's socket is closed by the server (4401): it goes to the login page.

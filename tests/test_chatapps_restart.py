@@ -14,7 +14,7 @@ import pytest
 
 from tests.fakemodel import FakeModelServer, Reply
 from tests.fakeplatforms import TELEGRAM_TOKEN, FakeTelegram
-from tests.procs import ServeProcess, embedded_env, manage
+from tests.procs import ServeProcess, embedded_env, migrate_embedded
 
 pytestmark = [pytest.mark.slow]
 
@@ -52,9 +52,12 @@ def test_an_answer_left_open_by_a_killed_process_is_closed_after_a_restart(
         TELEGRAM_API_BASE=fake_telegram.url,
         # A short lease, so the restarted process takes the dead one's dialog over soon.
         CHAT_LEASE_SECONDS="3",
+        # ... and closes the open answer a second after the turn ended (5 s by default),
+        # looking every second (2 s by default).
+        CHAT_DELIVERY_ORPHAN_GRACE_SECONDS="1",
+        CHAT_DELIVERY_RECONCILE_SECONDS="1",
     )
-    done = manage("migrate", "--noinput", env=env)
-    assert done.returncode == 0, done.stderr
+    migrate_embedded(env)
     fake_model.script(Reply(text="partial words ", endless=True, delay=0.05))
     update = fake_telegram.update("write forever")
     own = str(update["message"]["message_id"])

@@ -146,7 +146,10 @@ async def test_the_telegram_poll_command_closes_an_answer_left_open_without_any_
     from sessions_app.management.commands.telegram_poll import Command
 
     past = timezone.now() - timedelta(seconds=60)
-    with override_settings(**telegram_settings(fake_telegram)):
+    # The open answer is looked for every second, a second after its turn ended (5 s and
+    # every 2 s by default).
+    fast = {"DELIVERY_ORPHAN_GRACE_SECONDS": 1, "DELIVERY_RECONCILE_SECONDS": 1}
+    with override_settings(**telegram_settings(fake_telegram, **fast)):
 
         def crashed_state() -> Turn:
             ctx = store.chat_context(

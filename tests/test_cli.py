@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakemodel import FakeModelServer, Reply, user_texts
-from tests.procs import embedded_env, manage, popen_manage
+from tests.procs import embedded_env, manage, migrate_embedded, popen_manage
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def cli_env(tmp_path: Path, fake_model: FakeModelServer) -> dict[str, str]:
     env = embedded_env(tmp_path, LLM_BASE_URL=fake_model.url, CHAT_LEASE_SECONDS="2")
-    done = manage("migrate", "--noinput", env=env)
-    assert done.returncode == 0, done.stderr
+    migrate_embedded(env)
     return env
 
 

@@ -20,7 +20,7 @@ from sessions_app.connection import ChannelConnection
 from sessions_app.models import Message, Session, StagedInput
 from tests.api_helpers import read_stream, stream_post, wait_turn_row
 from tests.fakemodel import FakeModelServer, Reply
-from tests.procs import embedded_env, manage
+from tests.procs import embedded_env, manage, migrate_embedded
 from tests.ws_helpers import count, terminal
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -120,7 +120,7 @@ def test_terminal_lines_keep_sender_and_reply_to(
 ) -> None:
     # covers: D5, E4
     env = embedded_env(tmp_path, LLM_BASE_URL=fake_model.url)
-    assert manage("migrate", "--noinput", env=env).returncode == 0
+    migrate_embedded(env)
     done = manage("chat", "--user", "carol", env=env, stdin="one\ntwo\n")
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(tmp_path / "chat.sqlite3") as db:

@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect
 from websockets.typing import Origin
 
 from tests.fakemodel import FakeModelServer, Reply
-from tests.procs import ServeProcess, embedded_env, manage
+from tests.procs import ServeProcess, embedded_env, manage, migrate_embedded
 from tests.test_api_sse import sse_events
 
 pytestmark = [pytest.mark.slow]
@@ -31,8 +31,11 @@ PASSWORD = "pw-live-12345!"
 
 def prepare(env: dict[str, str]) -> str:
     """Migrate, create a user with a password; returns a bearer token of that user."""
-    done = manage("migrate", "--noinput", env=env)
-    assert done.returncode == 0, done.stdout + done.stderr
+    if env.get("DATABASE_URL"):
+        done = manage("migrate", "--noinput", env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+    else:
+        migrate_embedded(env)
     issued = manage("issue_token", "live", "--create-user", env=env)
     assert issued.returncode == 0, issued.stdout + issued.stderr
     script = (
@@ -98,14 +101,20 @@ async def closed_code(ws: Any, timeout: float = 5.0) -> int | None:
     return closed.value.rcvd.code if closed.value.rcvd is not None else None
 
 
-@pytest.fixture
-def server(tmp_path: Path, fake_model: FakeModelServer) -> Iterator[ServeProcess]:
-    env = embedded_env(
-        tmp_path, LLM_BASE_URL=fake_model.url, LLM_MODEL="fake", CHAT_LOGIN_CHECK_SECONDS="3600"
-    )
-    prepare(env)
-    with ServeProcess(tmp_path, env) as serve:
-        yield serve
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One server for the tests of a login's sockets: each test signs in a login of its own."""
+    var_dir = tmp_path_factory.mktemp("login-end-live")
+    model = FakeModelServer().start()
+    try:
+        env = embedded_env(
+            var_dir, LLM_BASE_URL=model.url, LLM_MODEL="fake", CHAT_LOGIN_CHECK_SECONDS="3600"
+        )
+        prepare(env)
+        with ServeProcess(var_dir, env) as serve:
+            yield serve
+    finally:
+        model.stop()
 
 
 async def test_logout_form_closes_the_cookie_socket(server: ServeProcess) -> None:
@@ -147,7 +156,10 @@ def test_a_revoked_token_ends_an_sse_stream_on_a_real_server(
     tmp_path: Path, fake_model: FakeModelServer
 ) -> None:
     # covers: F8 (SSE; revoked by another program: the server's periodic re-check)
-    env = embedded_env(tmp_path, LLM_BASE_URL=fake_model.url, LLM_MODEL="fake")
+    # The re-check every second (default 3 s): the revocation is seen sooner, the same way.
+    env = embedded_env(
+        tmp_path, LLM_BASE_URL=fake_model.url, LLM_MODEL="fake", CHAT_LOGIN_CHECK_SECONDS="1"
+    )
     token = prepare(env)
     gate = threading.Event()
     fake_model.script(Reply(text="held until the test ends", gate=gate))

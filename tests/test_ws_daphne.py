@@ -22,7 +22,7 @@ from websockets.asyncio.client import connect
 from websockets.typing import Origin
 
 from tests.fakemodel import FakeModelServer, Reply
-from tests.procs import embedded_env, free_port, manage, popen_manage
+from tests.procs import embedded_env, free_port, manage, migrate_embedded, popen_manage
 
 pytestmark = [pytest.mark.slow]
 
@@ -42,8 +42,7 @@ class Server:
 @pytest.fixture
 def daphne(tmp_path: Path, fake_model: FakeModelServer) -> Iterator[Server]:
     env = embedded_env(tmp_path, LLM_BASE_URL=fake_model.url, LLM_MODEL="fake")
-    migrated = manage("migrate", "--noinput", env=env)
-    assert migrated.returncode == 0, migrated.stderr
+    migrate_embedded(env)
     issued = manage("issue_token", "wsuser", "--create-user", env=env)
     assert issued.returncode == 0, issued.stderr
     token = issued.stdout.strip().splitlines()[-1]

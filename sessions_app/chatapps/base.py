@@ -41,9 +41,6 @@ from . import store
 
 logger = logging.getLogger(__name__)
 
-# How long a delivery left open by a dead process waits before another process closes it.
-ORPHAN_GRACE = timedelta(seconds=5)
-RECONCILE_SECONDS = 2.0
 # Inbound event ids are kept this long for de-duplication (D5).
 EVENT_KEEP = timedelta(days=7)
 EVENT_PURGE_INTERVAL = 3600.0
@@ -424,10 +421,13 @@ class Adapter(ABC):
                 raise
             except Exception:
                 logger.exception("%s delivery reconcile failed", self.channel)
-            await asyncio.sleep(RECONCILE_SECONDS)
+            await asyncio.sleep(settings.CHAT["DELIVERY_RECONCILE_SECONDS"])
 
-    async def reconcile(self, grace: timedelta = ORPHAN_GRACE) -> int:
-        """Show the terminal of turns whose streaming message a dead process left open."""
+    async def reconcile(self, grace: timedelta | None = None) -> int:
+        """Show the terminal of turns whose streaming message a dead process left open (the
+        turn ended at least `grace` ago, by default `CHAT["DELIVERY_ORPHAN_GRACE_SECONDS"]`)."""
+        if grace is None:
+            grace = timedelta(seconds=settings.CHAT["DELIVERY_ORPHAN_GRACE_SECONDS"])
         done = 0
         rows = await on_db(store.deliveries_orphaned)(channel=self.channel, grace=grace)
         for delivery, turn, partial in rows:

@@ -38,8 +38,11 @@ class Command(BaseCommand):
                 "cannot share one SQLite file"
             )
         else:
-            connection.settings_dict.setdefault("OPTIONS", {})
-            connection.settings_dict["OPTIONS"]["connect_timeout"] = CONNECT_TIMEOUT_S
+            options = connection.settings_dict.setdefault("OPTIONS", {})
+            options["connect_timeout"] = CONNECT_TIMEOUT_S
+            # One plain connection: a pool would keep retrying for its own timeout (10 s)
+            # after the server refused, instead of answering within CONNECT_TIMEOUT_S.
+            options.pop("pool", None)
             try:
                 connection.ensure_connection()
             except DatabaseError as exc:

@@ -34,6 +34,8 @@ from .models import (
     Turn,
     TurnStatus,
 )
+from .rows import insert as rows_insert
+from .rows import update as rows_update
 from .storage import storage_retry
 
 logger = logging.getLogger(__name__)
@@ -354,22 +356,25 @@ def append_locked(
                 turn=turn,
             )
         )
-    Message.objects.bulk_create(rows)
+    # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
+    # without the ORM's query compilation (`rows`).
+    rows_insert(rows)
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
     locked.total_message_count += len(rows)
     locked.message_count += user_count
     locked.state_version += 1
     locked.last_active_at = now
-    locked.save(
-        update_fields=[
+    rows_update(
+        locked,
+        [
             "last_seq",
             "total_message_count",
             "message_count",
             "state_version",
             "last_active_at",
             *also,
-        ]
+        ],
     )
     if extra is not None:
         extra(locked)

@@ -380,3 +380,59 @@ def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_l
     # Another dialog's messages do not count.
     other = create(user, dialog_id="other")
     assert window(session_pk=other.pk, after_seq=0, max_chars=5) == 0
+
+
+# --- G6: the turn's writes without query compilation store what the ORM stores ------------
+
+
+def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
+    # covers: A3, G6
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from sessions_app import rows
+    from sessions_app.models import Turn
+
+    session = create(user)
+    when = timezone.now() - timedelta(minutes=3)
+    source = {"kind": "user_input", "text": "caf\u00e9 \u5bf9\u8bdd", "nested": [1, {"a": None}]}
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    raw = [
+        Message(
+            session=session, seq=100, role=Role.USER, content="one", created_at=when, source=source
+        ),
+        Message(
+            session=session,
+            seq=101,
+            role=Role.ASSISTANT,
+            content="",
+            tool_calls=calls,
+            created_at=when,
+        ),
+    ]
+    orm = Message(
+        session=session, seq=102, role=Role.USER, content="one", created_at=when, source=source
+    )
+    rows.insert(raw)
+    orm.save()
+    assert not raw[0]._state.adding
+    stored = {m.seq: m for m in Message.objects.filter(session=session, seq__gte=100)}
+    for field in ("role", "content", "created_at", "source", "tool_calls", "media_refs", "status"):
+        assert getattr(stored[100], field) == getattr(stored[102], field), field
+    assert stored[101].tool_calls == calls and stored[100].pk == raw[0].pk
+
+    turn = Turn(session=session, owner=user, number=7, content="q", source=source, received_at=when)
+    rows.insert([turn])
+    turn.status, turn.started_at, turn.usage = "running", when, {"prompt_tokens": 3}
+    rows.update(turn, ["status", "started_at", "usage"])
+    back = Turn.objects.get(pk=turn.pk)
+    assert (back.status, back.started_at, back.usage, back.source) == (
+        "running",
+        when,
+        {"prompt_tokens": 3},
+        source,
+    )
+    session.title = "renamed"
+    rows.update(session, ["title"])
+    assert fresh(session).title == "renamed"

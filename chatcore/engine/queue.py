@@ -26,7 +26,7 @@ from chatcore.common.errors import (
     Overloaded,
     QueueFull,
 )
-from sessions_app import services, storage, turn_services
+from sessions_app import rows, services, storage, turn_services
 from sessions_app.models import (
     Message,
     MessageKind,
@@ -321,7 +321,7 @@ def _start_locked(
     limits.lock_owner(turn.owner_id)
     if not limits.turn_may_start(turn, cfg):
         return None
-    turn.save(force_insert=True)
+    rows.insert([turn])
     # The row is locked and its lease was read free above: it is ours with a new epoch
     # (G2), written with the append's update of the row.
     live.turn_counter = turn.number

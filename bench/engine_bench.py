@@ -36,6 +36,20 @@ def sse_body(text: str) -> bytes:
     return body.encode()
 
 
+def mock_provider(body: bytes):
+    """An OpenAI-compatible provider whose every answer is `body`, in process (no network)."""
+    import httpx
+
+    from chatcore.engine.provider import OpenAIProvider
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return OpenAIProvider(
+        base_url="http://model.invalid/v1", model="bench", transport=httpx.MockTransport(handler)
+    )
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
@@ -43,7 +57,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def main(args: argparse.Namespace) -> None:
-    import httpx
     from asgiref.sync import sync_to_async
     from channels.layers import get_channel_layer
     from django.contrib.auth import get_user_model
@@ -51,20 +64,13 @@ async def main(args: argparse.Namespace) -> None:
 
     from chatcore.common import publish
     from chatcore.engine.engine import Engine, Inbound
-    from chatcore.engine.provider import OpenAIProvider
     from sessions_app import services
 
     await sync_to_async(call_command)("migrate", verbosity=0)
     user = await sync_to_async(get_user_model().objects.create_user)("bench")
     body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
-
-    provider = OpenAIProvider(
-        base_url="http://model.invalid/v1", model="bench", transport=httpx.MockTransport(handler)
-    )
-    engine = Engine(provider=provider, name="bench")
+    engine = Engine(provider=mock_provider(body), name="bench")
     await engine.start()
     layer = get_channel_layer()
 

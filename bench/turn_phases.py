@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# This checkout's helpers, whichever checkout is measured (`--code-root`).
+from bench.engine_bench import mock_provider, sse_body  # noqa: E402
 
 
 class Trips:
@@ -69,20 +73,7 @@ class Trips:
         dbthreads._call = call
 
 
-def sse_body(text: str) -> bytes:
-    import json
-
-    def event(delta: dict[str, Any], finish: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return "data: " + json.dumps({"choices": [choice]}) + "\n\n"
-
-    words = [w + " " for w in text.split()]
-    body = "".join(event({"content": w}) for w in words) + event({}, "stop") + "data: [DONE]\n\n"
-    return body.encode()
-
-
 async def main(args: argparse.Namespace, trips: Trips) -> None:
-    import httpx
     from asgiref.sync import sync_to_async
     from channels.layers import get_channel_layer
     from django.contrib.auth import get_user_model
@@ -90,20 +81,13 @@ async def main(args: argparse.Namespace, trips: Trips) -> None:
 
     from chatcore.common import publish
     from chatcore.engine.engine import Engine, Inbound
-    from chatcore.engine.provider import OpenAIProvider
     from sessions_app import services
 
     await sync_to_async(call_command)("migrate", verbosity=0)
     user = await sync_to_async(get_user_model().objects.create_user)("bench")
     body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
-
-    provider = OpenAIProvider(
-        base_url="http://model.invalid/v1", model="bench", transport=httpx.MockTransport(handler)
-    )
-    engine = Engine(provider=provider, name="bench")
+    engine = Engine(provider=mock_provider(body), name="bench")
     await engine.start()
     layer = get_channel_layer()
     session = await sync_to_async(services.session_create)(

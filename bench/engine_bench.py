@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -50,6 +51,22 @@ def mock_provider(body: bytes):
     )
 
 
+async def start_engine() -> tuple[Any, Any]:
+    """A migrated database, a user, and a started engine on `mock_provider`: (user, engine)."""
+    from asgiref.sync import sync_to_async
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from chatcore.engine.engine import Engine
+
+    await sync_to_async(call_command)("migrate", verbosity=0)
+    user = await sync_to_async(get_user_model().objects.create_user)("bench")
+    body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
+    engine = Engine(provider=mock_provider(body), name="bench")
+    await engine.start()
+    return user, engine
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
@@ -59,19 +76,12 @@ def percentile(values: list[float], q: float) -> float:
 async def main(args: argparse.Namespace) -> None:
     from asgiref.sync import sync_to_async
     from channels.layers import get_channel_layer
-    from django.contrib.auth import get_user_model
-    from django.core.management import call_command
 
     from chatcore.common import publish
-    from chatcore.engine.engine import Engine, Inbound
+    from chatcore.engine.engine import Inbound
     from sessions_app import services
 
-    await sync_to_async(call_command)("migrate", verbosity=0)
-    user = await sync_to_async(get_user_model().objects.create_user)("bench")
-    body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
-
-    engine = Engine(provider=mock_provider(body), name="bench")
-    await engine.start()
+    user, engine = await start_engine()
     layer = get_channel_layer()
 
     async def dialog(name: str):

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # This checkout's helpers, whichever checkout is measured (`--code-root`).
-from bench.engine_bench import mock_provider, sse_body  # noqa: E402
+from bench.engine_bench import start_engine  # noqa: E402
 
 
 class Trips:
@@ -76,19 +76,12 @@ class Trips:
 async def main(args: argparse.Namespace, trips: Trips) -> None:
     from asgiref.sync import sync_to_async
     from channels.layers import get_channel_layer
-    from django.contrib.auth import get_user_model
-    from django.core.management import call_command
 
     from chatcore.common import publish
-    from chatcore.engine.engine import Engine, Inbound
+    from chatcore.engine.engine import Inbound
     from sessions_app import services
 
-    await sync_to_async(call_command)("migrate", verbosity=0)
-    user = await sync_to_async(get_user_model().objects.create_user)("bench")
-    body = sse_body("The quick brown fox jumps over the lazy dog " * 5)
-
-    engine = Engine(provider=mock_provider(body), name="bench")
-    await engine.start()
+    user, engine = await start_engine()
     layer = get_channel_layer()
     session = await sync_to_async(services.session_create)(
         owner=user, channel="api", chat_id=f"u{user.pk}", dialog_id="phases"

@@ -135,7 +135,9 @@ def session_create(
 
 
 def _announce_created(session: Session, welcome: Message) -> None:
-    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(
+        session, events.sessions_changed_frame(session_id=session.session_id, change="created")
+    )
     publish.publish_to_chat(
         session,
         events.history_delta_frame(
@@ -235,7 +237,9 @@ def session_soft_delete(*, session: Session) -> Session:
                 client_msg_id=turn.client_msg_id,
             ),
         )
-    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(
+        session, events.sessions_changed_frame(session_id=session.session_id, change="deleted")
+    )
     return session
 
 
@@ -264,7 +268,9 @@ def session_restore(*, session: Session) -> Session:
 
     storage_retry(write, what="session_restore", session=session)
     session.refresh_from_db()
-    publish.publish_to_chat(session, events.sessions_changed_frame(session_id=session.session_id))
+    publish.publish_to_chat(
+        session, events.sessions_changed_frame(session_id=session.session_id, change="restored")
+    )
     return session
 
 

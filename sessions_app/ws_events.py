@@ -174,7 +174,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         if kind == "turn_snapshot":
             await self._relay_snapshot(frame)
         elif kind == "sessions_changed":
-            self._sessions_changed()
+            self._sessions_changed(frame)
         elif kind == "session_updated":
             if self.echoed_updates.get(frame.get("session_id", "")) == frame:
                 del self.echoed_updates[frame["session_id"]]
@@ -222,11 +222,19 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         if out is not None:
             await self._send(out)
 
-    def _sessions_changed(self) -> None:
+    def _sessions_changed(self, frame: dict[str, Any]) -> None:
         """A dialog of the chat was created, deleted or restored. A burst of these yields one
         refresh, which comes back through this connection's own channel, so it runs in order
-        with everything else this connection handles (no locks)."""
+        with everything else this connection handles (no locks). The creation of a dialog
+        this client already lists (this connection's own first dialog, its own `/new`)
+        changes nothing it sees: no read."""
         if self.sessions_pending:
+            return
+        if (
+            frame.get("change") == "created"
+            and self.sessions_shown is not None
+            and frame.get("session_id") in self.sessions_shown[1]
+        ):
             return
         self.sessions_pending = True
         self.sessions_task = asyncio.get_running_loop().create_task(self._schedule_refresh())

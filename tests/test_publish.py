@@ -55,7 +55,7 @@ def test_every_frame_shape_survives_a_json_round_trip() -> None:
         events.turn_updated_frame(session_id="s", turn_id="t", status="completed"),
         events.session_updated_frame(session=session, compacted_through=3),
         events.notification_frame(session_id="s", level="info", content="c"),
-        events.sessions_changed_frame(session_id="s"),
+        events.sessions_changed_frame(session_id="s", change="deleted"),
         events.turn_snapshot_frame(session_id="s", turn_id="t", text="ab", tools=[], frame=1),
         events.queued_frame(session_id="s", turn_id="t", position=0, mode="send"),
         events.sessions_frame(current=session, items=[events.session_item(session)]),
@@ -83,7 +83,7 @@ async def test_a_sync_publish_on_the_engine_loop_is_a_supervised_task(make_engin
     engine = await make_engine()
     rec = await recorder("test.group")
     before = len(engine.supervisor)
-    publish.publish("test.group", events.sessions_changed_frame(session_id="s"))
+    publish.publish("test.group", events.sessions_changed_frame(session_id="s", change="deleted"))
     assert len(engine.supervisor) == before + 1
     frame = await rec.next()
-    assert frame == {"type": "sessions_changed", "session_id": "s"}
+    assert frame == {"type": "sessions_changed", "session_id": "s", "change": "deleted"}

@@ -141,7 +141,11 @@ async def test_new_tells_every_connection_of_the_chat(user: Any, recorder: Any) 
     assert result.current is not None
     changed = round_trip(await rec.next(timeout=5))
     delta = round_trip(await rec.next(timeout=5))
-    assert changed == {"type": "sessions_changed", "session_id": result.current.session_id}
+    assert changed == {
+        "type": "sessions_changed",
+        "session_id": result.current.session_id,
+        "change": "created",
+    }
     assert delta["type"] == "history_delta"
     assert delta["session_id"] == result.current.session_id
     assert (delta["base_revision"], delta["history_revision"]) == (0, 1)
@@ -311,7 +315,11 @@ async def test_delete_hides_the_dialog_and_the_most_recent_other_becomes_current
             owner_id=user.pk, session_id=current.session_id
         )
     frame = round_trip(await rec.next(timeout=5))
-    assert frame == {"type": "sessions_changed", "session_id": current.session_id}
+    assert frame == {
+        "type": "sessions_changed",
+        "session_id": current.session_id,
+        "change": "deleted",
+    }
     # Deleted dialogs are gone from /switch as well.
     with pytest.raises(NotFound):
         await run(user, result.current, "/switch current")

@@ -5,6 +5,7 @@ SPEC D1-D3, E1, F5). Auth, errors and fan-out have their own files (test_ws_*.py
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -49,6 +50,35 @@ async def test_connect_sends_sessions_then_history_at_the_highest_seq(
     assert again.history["has_more"] is False
     assert again.sessions["items"][0]["message_count"] == 1
     assert await again.drain() == []
+
+
+async def test_first_connect_reads_the_dialog_list_once(
+    connect: Any, user: Any, monkeypatch: Any
+) -> None:
+    # covers: B2, D2 (a crowd of new users connecting costs one list read each)
+    from sessions_app import ws_events
+
+    reads: list[str] = []
+    real = ws_events.sessions_frame
+
+    def counted(**kwargs: Any) -> Any:
+        reads.append(kwargs["chat_id"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(ws_events, "sessions_frame", counted)
+    # The user has no dialog yet: connecting creates it (with its welcome, B2), and the
+    # creation's own `sessions_changed` comes back to this very connection.
+    ws = await connect(user)
+    assert len(ws.sessions["items"]) == 1
+    await asyncio.sleep(ws_events.SESSIONS_COALESCE_SECONDS + 0.3)
+    assert await ws.drain() == []
+    assert len(reads) == 1
+    # Another tab's new dialog is news to this one: it reads the list and shows both.
+    other = await connect(user)
+    await other.send({"type": "send", "content": "/new", "client_msg_id": "n"})
+    frames = await ws.drain(1.0)
+    sessions = [f for f in frames if f["type"] == "sessions"]
+    assert len(sessions) == 1 and len(sessions[0]["items"]) == 2
 
 
 async def test_connect_with_dialog_id_query(connect: Any, user: Any) -> None:

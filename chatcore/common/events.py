@@ -96,10 +96,10 @@ def notification_frame(*, session_id: str | None, level: str, content: str) -> d
     return frame
 
 
-def sessions_changed_frame(*, session_id: str | None = None) -> dict[str, Any]:
-    """Internal: a dialog of the chat was created, deleted or restored; connections answer it
-    by sending their own `sessions` frame."""
-    return {"type": "sessions_changed", "session_id": session_id}
+def sessions_changed_frame(*, session_id: str | None = None, change: str) -> dict[str, Any]:
+    """Internal: a dialog of the chat was `created`, `deleted` or `restored` (`change`);
+    connections answer it by sending their own `sessions` frame."""
+    return {"type": "sessions_changed", "session_id": session_id, "change": change}
 
 
 def turn_snapshot_frame(

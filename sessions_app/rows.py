@@ -1,63 +1,161 @@
-"""Writes of model rows in one statement each, for the writes every turn makes (G6).
+"""Row reads and writes in one statement each, for the ones every turn makes (G6).
 
-Each value goes through its field's own conversion for the database (`get_db_prep_save`, as
-`Model.save` does), so JSON, UUIDs and datetimes are stored exactly as the ORM stores them;
-what is skipped is the query compilation, which cost more than the database's own work. The
-models written here have no signal receivers and client-side primary keys (UUID or text), so
-nothing `save()` would do is missed."""
+Writes: each value goes through its field's own conversion for the database
+(`get_db_prep_save`, as `Model.save` does), so JSON, UUIDs and datetimes are stored exactly
+as the ORM stores them; a text, integer or boolean value already of its field's Python type
+is passed as it is, which is what that conversion returns for it. Reads: the row's columns
+go through the converters the ORM's compiler would apply (`from_row`). What is skipped is
+the query compilation, which cost more than the database's own work; the statements' text is
+built once per model. The models written here have no signal receivers and client-side
+primary keys (UUID or text), so nothing `save()` would do is missed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field, Model
 
+M = TypeVar("M", bound=Model)
 
-def _quote(name: str | None) -> str:
+# Field types whose conversion for the database returns a value of this Python type as it is.
+_PLAIN: dict[str, type] = {
+    "CharField": str,
+    "TextField": str,
+    "SlugField": str,
+    "IntegerField": int,
+    "BigIntegerField": int,
+    "SmallIntegerField": int,
+    "PositiveIntegerField": int,
+    "PositiveBigIntegerField": int,
+    "PositiveSmallIntegerField": int,
+    "BooleanField": bool,
+}
+
+
+@functools.cache
+def _plain_type(field: Field[Any, Any]) -> type | None:
+    """The Python type whose values `field` stores unconverted, or None (convert always)."""
+    if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
+        return None  # `pre_save` sets the value
+    target = field.target_field if field.is_relation else field  # type: ignore[attr-defined]
+    return _PLAIN.get(target.get_internal_type())
+
+
+def _db_value(field: Field[Any, Any], obj: Model, add: bool, conn: BaseDatabaseWrapper) -> Any:
+    value = getattr(obj, field.attname)
+    plain = _plain_type(field)
+    if plain is not None and (value is None or type(value) is plain):
+        return value
+    return field.get_db_prep_save(field.pre_save(obj, add=add), conn)
+
+
+def _quote(conn: BaseDatabaseWrapper, name: str | None) -> str:
     assert name is not None
-    return connection.ops.quote_name(name)
+    return conn.ops.quote_name(name)
+
+
+def _fields(model: type[Model]) -> list[Field[Any, Any]]:
+    return list(model._meta.concrete_fields)
+
+
+@functools.cache
+def _insert_sql(model: type[Model], vendor: str, count: int) -> str:
+    opts = model._meta
+    columns = ", ".join(_quote(connection, f.column) for f in _fields(model))
+    marks = "(" + ", ".join(["%s"] * len(_fields(model))) + ")"
+    return (
+        f"INSERT INTO {_quote(connection, opts.db_table)} ({columns})"  # noqa: S608
+        f" VALUES {', '.join([marks] * count)}"
+    )
 
 
 def insert(objs: Sequence[Model]) -> None:
     """INSERT `objs` (all of one model, primary keys already set) in one statement."""
     if not objs:
         return
-    opts = type(objs[0])._meta
+    model = type(objs[0])
+    opts = model._meta
     if opts.pk is None or opts.pk.db_returning:
         raise ValueError(f"{opts.label}: rows.insert needs a client-side primary key")
-    quote = _quote
-    fields = list(opts.concrete_fields)
-    marks = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    sql = (
-        f"INSERT INTO {quote(opts.db_table)} ({', '.join(quote(f.column) for f in fields)})"  # noqa: S608
-        f" VALUES {', '.join([marks] * len(objs))}"
-    )
-    params = [
-        field.get_db_prep_save(field.pre_save(obj, add=True), connection)
-        for obj in objs
-        for field in fields
-    ]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+    conn = connections[DEFAULT_DB_ALIAS]
+    fields = _fields(model)
+    params = [_db_value(field, obj, True, conn) for obj in objs for field in fields]
+    with conn.cursor() as cursor:
+        cursor.execute(_insert_sql(model, conn.vendor, len(objs)), params)
     for obj in objs:
         obj._state.adding = False
-        obj._state.db = connection.alias
+        obj._state.db = conn.alias
+
+
+@functools.cache
+def _update_sql(model: type[Model], vendor: str, names: tuple[str, ...]) -> str:
+    opts = model._meta
+    assert opts.pk is not None
+    sets = ", ".join(f"{_quote(connection, f.column)} = %s" for f in _named(model, names))
+    return (
+        f"UPDATE {_quote(connection, opts.db_table)} SET {sets}"  # noqa: S608
+        f" WHERE {_quote(connection, opts.pk.column)} = %s"
+    )
+
+
+@functools.cache
+def _named(model: type[Model], names: tuple[str, ...]) -> list[Field[Any, Any]]:
+    fields = [model._meta.get_field(name) for name in names]
+    assert all(isinstance(f, Field) for f in fields)
+    return fields  # type: ignore[return-value]
 
 
 def update(obj: Model, names: Iterable[str]) -> None:
     """UPDATE the given fields of `obj`'s row (by primary key) in one statement."""
-    opts = obj._meta
+    model = type(obj)
+    opts = model._meta
     assert opts.pk is not None
-    quote = _quote
-    fields = [opts.get_field(name) for name in names]
-    assert all(isinstance(f, Field) for f in fields)
-    sets = ", ".join(f"{quote(f.column)} = %s" for f in fields)  # type: ignore[union-attr]
-    sql = f"UPDATE {quote(opts.db_table)} SET {sets} WHERE {quote(opts.pk.column)} = %s"  # noqa: S608
-    params = [
-        f.get_db_prep_save(f.pre_save(obj, add=False), connection)  # type: ignore[union-attr]
-        for f in fields
-    ]
-    params.append(opts.pk.get_db_prep_value(obj.pk, connection))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+    names = tuple(names)
+    conn = connections[DEFAULT_DB_ALIAS]
+    params = [_db_value(f, obj, False, conn) for f in _named(model, names)]
+    params.append(opts.pk.get_db_prep_value(obj.pk, conn))
+    with conn.cursor() as cursor:
+        cursor.execute(_update_sql(model, conn.vendor, names), params)
+
+
+# --- Reads ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def columns(model: type[Model], alias: str) -> str:
+    """The model's columns for a SELECT, in the order `from_row` reads them, qualified by the
+    table alias `alias`."""
+    return ", ".join(f"{alias}.{_quote(connection, f.column)}" for f in _fields(model))
+
+
+Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
+
+
+@functools.cache
+def _converters(model: type[Model], vendor: str) -> list[tuple[int, list[Converter], Any]]:
+    """Per column that needs any: its index, the converters the compiler would apply (the
+    backend's, then the field's own), and the expression they are given."""
+    out = []
+    for i, field in enumerate(_fields(model)):
+        col = field.get_col(model._meta.db_table)
+        found = connection.ops.get_db_converters(col) + field.get_db_converters(connection)
+        if found:
+            out.append((i, found, col))
+    return out
+
+
+def from_row(model: type[M], row: Sequence[Any]) -> M:
+    """A `model` instance from the first columns of `row` (selected with `columns`), as the
+    ORM would build it; the columns after those are the caller's."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    values = list(row[: len(model._meta.concrete_fields)])
+    for i, found, col in _converters(model, conn.vendor):
+        value = values[i]
+        for convert in found:
+            value = convert(value, col, conn)
+        values[i] = value
+    return model.from_db(conn.alias, (), values)

@@ -26,6 +26,8 @@ from .models import (
     Turn,
     TurnStatus,
 )
+from .rows import columns as row_columns
+from .rows import from_row
 
 
 @contextmanager
@@ -202,11 +204,13 @@ def compaction_latest(*, session_pk: str) -> Compaction | None:
     """The dialog's newest compaction (B5), read before every turn (in SQL, one statement)."""
     table = Compaction._meta.db_table
     sql = (
-        f'SELECT c."id", c."session_id", c."through_seq", c."summary", c."created_at"'  # noqa: S608
-        f' FROM "{table}" c WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1'
+        f'SELECT {row_columns(Compaction, "c")} FROM "{table}" c'  # noqa: S608
+        ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1'
     )
-    found = list(Compaction.objects.raw(sql, [session_pk]))
-    return found[0] if found else None
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [session_pk])
+        row = cursor.fetchone()
+    return None if row is None else from_row(Compaction, row)
 
 
 def memory_notes_recent(*, owner_id: int, limit: int = 20) -> list[str]:

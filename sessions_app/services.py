@@ -34,6 +34,8 @@ from .models import (
     Turn,
     TurnStatus,
 )
+from .rows import columns as rows_columns
+from .rows import from_row as rows_from_row
 from .rows import insert as rows_insert
 from .rows import update as rows_update
 from .storage import storage_retry
@@ -393,9 +395,11 @@ def lock_session(session_pk: str) -> Session | None:
     with it, so it is written in SQL: our own table, the id as a parameter."""
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     table = Session._meta.db_table
-    sql = f'SELECT * FROM "{table}" WHERE "id" = %s{lock}'  # noqa: S608
-    found = list(Session.objects.raw(sql, [session_pk]))
-    return found[0] if found else None
+    sql = f'SELECT {rows_columns(Session, "s")} FROM "{table}" s WHERE s."id" = %s{lock}'  # noqa: S608
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [session_pk])
+        row = cursor.fetchone()
+    return None if row is None else rows_from_row(Session, row)
 
 
 def messages_append(

@@ -436,3 +436,26 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     session.title = "renamed"
     rows.update(session, ["title"])
     assert fresh(session).title == "renamed"
+
+    # Rows read in SQL (`rows.from_row`) are the ORM's, field by field (datetimes, JSON, the
+    # lease's fields, booleans, the owner's key).
+    from django.db import transaction
+
+    from sessions_app.models import Compaction
+    from sessions_app.selectors import compaction_latest
+
+    Session.objects.filter(pk=session.pk).update(
+        plan="step one", lease_owner="p1", lease_expires_at=when, lease_epoch=4
+    )
+    with transaction.atomic():
+        locked = services.lock_session(session.pk)
+    orm_session = Session.objects.get(pk=session.pk)
+    assert locked is not None and not locked._state.adding
+    for field in Session._meta.concrete_fields:
+        assert getattr(locked, field.attname) == getattr(orm_session, field.attname), field.name
+    Compaction.objects.create(session=session, through_seq=2, summary="caf\u00e9", created_at=when)
+    read = compaction_latest(session_pk=session.pk)
+    orm_compaction = Compaction.objects.get(session=session)
+    assert read is not None
+    for field in Compaction._meta.concrete_fields:
+        assert getattr(read, field.attname) == getattr(orm_compaction, field.attname), field.name

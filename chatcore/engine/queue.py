@@ -96,7 +96,7 @@ def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
     )
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     sql = (
-        f'SELECT s.*, {counts} FROM "{_SESSIONS}" s'  # noqa: S608
+        f'SELECT {rows.columns(Session, "s")}, {counts} FROM "{_SESSIONS}" s'  # noqa: S608
         f' WHERE s."id" = %s AND s."deleted_at" IS NULL{lock}'
     )
     params = [
@@ -106,17 +106,19 @@ def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
         TurnStatus.QUEUED,
         session_pk,
     ]
-    found = list(Session.objects.raw(sql, params))
-    if not found:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
         raise NotFound(_("Dialog not found."))
-    live = found[0]
+    queued, running, staged, queued_everywhere = row[-4:]
     state = QueueState(
-        queued=int(live.q_queued),  # type: ignore[attr-defined]
-        running=int(live.q_running),  # type: ignore[attr-defined]
-        staged=bool(live.q_staged),  # type: ignore[attr-defined]
-        queued_everywhere=int(live.q_all),  # type: ignore[attr-defined]
+        queued=int(queued),
+        running=int(running),
+        staged=bool(staged),
+        queued_everywhere=int(queued_everywhere),
     )
-    return live, state
+    return rows.from_row(Session, row), state
 
 
 def enqueue_locked(

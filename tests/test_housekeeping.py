@@ -22,7 +22,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from chatcore.engine import lease, queue
-from sessions_app.models import Message, Session, Turn
+from sessions_app.models import Message, Session, Turn, TurnStatus
 from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.fakemodel import Reply, user_texts
 
@@ -271,7 +271,8 @@ def test_one_statement_renews_every_lease_and_a_taken_over_one_is_lost(user):
 
 
 def test_an_idle_dialog_gives_its_lease_up_in_one_statement_unless_a_turn_is_queued(user):
-    # covers: C1, C11, G2 (issue 10: the release after a turn looks at the queue atomically)
+    # covers: C1, C11, G2 (issue 10: the release after a turn looks at the queue atomically;
+    # a turn started under the lease at its admission, for the holder to run, keeps it too)
     from django.conf import settings as django_settings
 
     from chatcore.engine.sessions import SessionStates
@@ -283,26 +284,32 @@ def test_an_idle_dialog_gives_its_lease_up_in_one_statement_unless_a_turn_is_que
         )
 
     idle, waiting, taken = dialog("idle"), dialog("waiting"), dialog("taken")
+    handed = dialog("handed")
     held: dict[str, lease.Lease] = {}
-    for s in (idle, waiting, taken):
+    for s in (idle, waiting, taken, handed):
         got = lease.acquire(s.pk, owner="this-process", seconds=30)
         assert got is not None
         held[s.pk] = got
     Turn.objects.create(session=waiting, owner=user, number=1, content="queued meanwhile")
+    Turn.objects.create(
+        session=handed, owner=user, number=1, content="started", status=TurnStatus.RUNNING
+    )
     Session.objects.filter(pk=taken.pk).update(
         lease_owner="other-process", lease_epoch=F("lease_epoch") + 1
     )
 
     with CaptureQueriesContext(connection) as ctx:
         released = {pk: queue.release_if_idle(h) for pk, h in held.items()}
-    assert len(ctx.captured_queries) == 3, [q["sql"] for q in ctx.captured_queries]
+    assert len(ctx.captured_queries) == 4, [q["sql"] for q in ctx.captured_queries]
 
-    assert released == {idle.pk: True, waiting.pk: False, taken.pk: False}
+    assert released == {idle.pk: True, waiting.pk: False, taken.pk: False, handed.pk: False}
     rows = {s.pk: s for s in Session.objects.all()}
     # The idle dialog's lease is free for whoever queues next.
     assert rows[idle.pk].lease_owner == "" and rows[idle.pk].lease_expires_at is None
-    # The queued turn keeps the lease with its holder, which claims it next.
+    # The queued turn keeps the lease with its holder, which claims it next; so does the
+    # turn started under it, which the holder runs next.
     assert rows[waiting.pk].lease_owner == "this-process"
+    assert rows[handed.pk].lease_owner == "this-process"
     claimed = queue.claim_next(
         waiting.pk, held[waiting.pk], cfg=django_settings.CHAT, states=SessionStates()
     )

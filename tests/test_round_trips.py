@@ -97,3 +97,55 @@ async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
         if m.content
     ]
     assert contents[-2:] == ["hello", "first token"]
+
+
+async def test_a_send_right_after_an_answer_starts_under_the_lingering_lease(
+    make_engine, fake_model, user, settings, monkeypatch
+):
+    # covers: G6, C3, G2 (a script's next send: no new lease, no claim of its own)
+    from chatcore.engine import worker
+    from sessions_app.models import Session
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    # A linger no machine outlasts between the first answer and the next send.
+    monkeypatch.setattr(worker, "LINGER_SECONDS", 30.0)
+    engine = await make_engine(name="counted")
+    session = await make_dialog(user)
+    await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
+    fake_model.script(Reply(text="first answer"))
+    first = await send(engine, session, "one")
+    for _ in range(500):
+        if session.pk in engine.workers.lingering:
+            break
+        await asyncio.sleep(0.01)
+    assert session.pk in engine.workers.lingering
+    epoch = (await Session.objects.aget(pk=session.pk)).lease_epoch
+
+    counter = TripCounter(monkeypatch)
+    gate = threading.Event()
+    fake_model.script(Reply(text="second answer", gate=gate))
+    try:
+        counter.counting.set()
+        second = await send(engine, session, "two")
+        await fake_model.requests_made(2)
+        trips, statements = counter.snapshot()
+    finally:
+        counter.counting.clear()
+        gate.set()
+    monkeypatch.setattr(worker, "LINGER_SECONDS", 0.1)
+    engine.workers._wakeups[session.pk].set()  # end the long linger now
+    await engine.wait_idle(session.pk)
+    print(f"\n{len(trips)} round trips, {len(statements)} statements before the first token")
+    print("\n".join(statements))
+    assert first.position == 0 and second.position == 0
+    # The admitting transaction and the context read: no claim, no lease taken anew.
+    assert 1 <= len(trips) <= 2, "\n".join(trips)
+    assert len(statements) <= STATEMENTS_BEFORE_FIRST_TOKEN, "\n".join(statements)
+    row = await Session.objects.aget(pk=session.pk)
+    assert row.lease_epoch == epoch
+    contents = [
+        m.content
+        async for m in session.messages.order_by("seq").exclude(role="system")
+        if m.content
+    ]
+    assert contents == ["one", "first answer", "two", "second answer"]

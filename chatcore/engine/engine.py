@@ -166,17 +166,22 @@ class Engine:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         await check_inbound(inbound, session, cfg=self.cfg, closing=self.closing)
         # G6: a send to a dialog this process does not run now may start its turn in the
-        # admitting transaction (`queue.admit_and_start`); otherwise the usual kick.
+        # admitting transaction (`queue.admit_and_start`), and so may one to a dialog whose
+        # worker here lingers after its last turn (under that worker's lease, handed to it);
+        # otherwise the usual kick.
         start_as = None if self.workers.running(session.pk) else self.process_id
+        held = self.workers.lingering_lease(session.pk)
         # A4: retries of the write wait on the loop, not on the database thread.
         ack, started = await storage.astorage_retry(
             lambda: queue.admit_and_start(
-                inbound, session, cfg=self.cfg, states=self.states, start_as=start_as
+                inbound, session, cfg=self.cfg, states=self.states, start_as=start_as, held=held
             ),
             what="admit",
             session=session,
         )
-        if started is not None:
+        if started is not None and started.lease is held:
+            await self.workers.hand_off(started)
+        elif started is not None:
             await self.workers.start_claimed(started)
         elif ack.turn_id is not None:
             await self.kick(session.pk)

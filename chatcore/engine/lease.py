@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection
@@ -63,6 +63,9 @@ class Waiting:
 
 
 QUEUED_TURNS = Waiting(Turn._meta.db_table, TurnStatus.QUEUED)
+# A turn started under the lease of a lingering worker (`queue.admit_and_start`), which that
+# worker is about to run.
+RUNNING_TURNS = Waiting(Turn._meta.db_table, TurnStatus.RUNNING)
 STAGED_INPUTS = Waiting(StagedInput._meta.db_table, StagedInput.Status.STAGED)
 
 
@@ -119,6 +122,11 @@ class Lease:
             self.lost = True
             raise LeaseLost(self.session_pk)
         return bool(row[0])
+
+    def current_on(self, locked: Session, now: datetime) -> bool:
+        """Whether the row the caller has just locked still shows this lease, unexpired."""
+        expires = locked.lease_expires_at
+        return self._matches(locked) and expires is not None and expires >= now
 
     def guard(self, locked: Session) -> None:
         """The same check on a session row the caller has just locked (no extra query)."""
@@ -245,15 +253,18 @@ def release(lease: Lease) -> None:
 def release_if_idle(lease: Lease) -> bool:
     """Give the lease up if the dialog has no queued turn, in one statement: a turn queued
     before it is seen here (False: the holder claims it); one queued after finds the lease
-    free (its enqueuer takes it). Only our own epoch, as `release`. It runs after every
+    free (its enqueuer takes it). A turn started under this lease at its admission (handed
+    to the holder) keeps it too. Only our own epoch, as `release`. It runs after every
     turn, so it is written in SQL."""
     sql = (
         f'UPDATE "{_SESSIONS}" SET "lease_owner" = %s, "lease_expires_at" = NULL'  # noqa: S608
         ' WHERE "id" = %s AND "lease_owner" = %s AND "lease_epoch" = %s'
         f" AND NOT EXISTS ({QUEUED_TURNS.sql(_SESSIONS_QUOTED)})"
+        f" AND NOT EXISTS ({RUNNING_TURNS.sql(_SESSIONS_QUOTED)})"
     )
+    params = [*QUEUED_TURNS.params, *RUNNING_TURNS.params]
     with connection.cursor() as cursor:
-        cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *QUEUED_TURNS.params])
+        cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *params])
         released = cursor.rowcount == 1
     if released:
         lease.released = True

@@ -253,6 +253,7 @@ def admit_and_start(
     cfg: dict[str, Any],
     states: SessionStates,
     start_as: str | None,
+    held: Lease | None = None,
 ) -> tuple[Ack, Started | None]:
     """`admit`, and for a send to an idle dialog whose lease is free, start its turn in the
     same transaction (G6: one round trip before the context is read): take the lease for
@@ -260,6 +261,9 @@ def admit_and_start(
     record its user message (C3). Anything else (a busy dialog, a lease held elsewhere, a
     turn still marked running that recovery must close first (C11), an owner at the cap) is
     only admitted, exactly as `admit` does, and the caller takes the usual path (`kick`).
+    `held`: the lease of this process's worker of the dialog, lingering after its last turn
+    (a send that follows an answer at once): the turn starts under it, if the row still
+    shows it, and the caller hands it to that worker; no new lease, no second transaction.
 
     The started path is six statements on SQLite: the locked row with the queue counts,
     the owner's slot, the turn inserted running, the user message, and one update of the
@@ -271,9 +275,11 @@ def admit_and_start(
             live, state = lock_for_admission(session.pk)
             if inbound.accept is not None:
                 inbound.accept()
-            if start_as is not None and inbound.mode in ("send", "steer") and not state.busy:
+            idle_send = inbound.mode in ("send", "steer") and not state.busy
+            owner = held.owner if held is not None else start_as
+            if owner is not None and idle_send:
                 started = _start_locked(
-                    inbound, live, state, owner=start_as, cfg=cfg, confirmed=confirmed
+                    inbound, live, state, owner=owner, cfg=cfg, confirmed=confirmed, held=held
                 )
                 if started is not None:
                     ack = Ack(live, str(started.turn.pk), 0, "send", inbound.client_msg_id)
@@ -299,13 +305,18 @@ def _start_locked(
     owner: str,
     cfg: dict[str, Any],
     confirmed: float,
+    held: Lease | None = None,
 ) -> Started | None:
     """In the admitting transaction, on the locked row of an idle dialog (no queued or
-    running turn, so nothing for C11 recovery): the lease, the F7 slot, the turn inserted
-    already running and its user message. None (nothing written: the caller queues the
-    turn) when the lease is live or the owner is at the cap."""
+    running turn, so nothing for C11 recovery): the lease (or `held`, still current), the
+    F7 slot, the turn inserted already running and its user message. None (nothing
+    written: the caller queues the turn) when the lease is live (or `held` is no longer
+    the dialog's) or the owner is at the cap."""
     now = timezone.now()
-    if live.lease_owner and live.lease_expires_at is not None and live.lease_expires_at >= now:
+    if held is not None:
+        if not held.current_on(live, now):
+            return None
+    elif live.lease_owner and live.lease_expires_at is not None and live.lease_expires_at >= now:
         return None
     check_capacity(live, cfg, state)
     turn = Turn(
@@ -324,20 +335,23 @@ def _start_locked(
     if not limits.turn_may_start(turn, cfg):
         return None
     rows.insert([turn])
-    # The row is locked and its lease was read free above: it is ours with a new epoch
-    # (G2), written with the append's update of the row.
     live.turn_counter = turn.number
-    live.lease_owner = owner
-    live.lease_expires_at = now + timedelta(seconds=cfg["LEASE_SECONDS"])
-    live.lease_epoch += 1
-    held = Lease(live.pk, owner, live.lease_epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
+    also: tuple[str, ...] = ("turn_counter",)
+    if held is None:
+        # The row is locked and its lease was read free above: it is ours with a new epoch
+        # (G2), written with the append's update of the row.
+        live.lease_owner = owner
+        live.lease_expires_at = now + timedelta(seconds=cfg["LEASE_SECONDS"])
+        live.lease_epoch += 1
+        held = Lease(live.pk, owner, live.lease_epoch, cfg["LEASE_SECONDS"], confirmed_at=confirmed)
+        also = _STARTED_FIELDS
     new, leftovers = start_messages(turn, staged=state.staged)
 
     def mark(_locked: Session) -> None:
         if leftovers:
             turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
 
-    appended = services.append_locked(live, new, turn=turn, extra=mark, also=_STARTED_FIELDS)
+    appended = services.append_locked(live, new, turn=turn, extra=mark, also=also)
     return Started(turn, held, live, appended, live.generation)
 
 

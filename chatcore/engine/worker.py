@@ -95,6 +95,9 @@ class Workers:
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
         self._leases: dict[str, Lease] = {}
+        # Turns started at admission under the lease of the dialog's lingering worker, for
+        # that worker to run next (`hand_off`).
+        self._handed: dict[str, queue.Started] = {}
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
 
@@ -168,6 +171,31 @@ class Workers:
             self._wakeups.pop(session_pk, None)
             await on_db(queue.release_lease)(started.lease)
 
+    def lingering_lease(self, session_pk: str) -> Lease | None:
+        """The lease of this process's worker of the dialog while it lingers after its last
+        turn (`_linger`), for a send to start its turn under (`queue.admit_and_start`)."""
+        if session_pk in self.lingering and self.running(session_pk):
+            return self._leases.get(session_pk)
+        return None
+
+    async def hand_off(self, started: queue.Started) -> None:
+        """Give a turn started under a lingering worker's lease to that worker, which runs it
+        next (G6: no claim of its own); the user message's delta goes out as in
+        `start_claimed`. Should the worker have ended meanwhile (its lease lost, shutdown),
+        the turn is left to the next holder of the lease, which closes it (C11)."""
+        session_pk = started.session.pk
+        if started.appended is not None:
+            self._announce(started.appended, started.turn)
+        if not self.running(session_pk):
+            logger.warning(
+                "the worker a started turn was handed to has ended",
+                extra={"session_id": started.session.session_id, "turn_id": str(started.turn.pk)},
+            )
+            await self.kick(session_pk)
+            return
+        self._handed[session_pk] = started
+        self._wakeups[session_pk].set()
+
     def _announce(self, appended: services.Appended, turn: Turn) -> None:
         session = appended.session
         self.supervisor.spawn(
@@ -197,6 +225,11 @@ class Workers:
                 self._wake_waiting(first.turn)
             while not self.closing:
                 wake.clear()
+                handed = self._handed.pop(session_pk, None)
+                if handed is not None:
+                    await self._run_turn(handed)
+                    self._wake_waiting(handed.turn)
+                    continue
                 turn = await storage.astorage_retry(
                     functools.partial(
                         queue.claim_next, session_pk, held, cfg=self.cfg, states=self.states
@@ -243,6 +276,7 @@ class Workers:
             logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
         finally:
             self.tasks.pop(session_pk, None)
+            self._handed.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
             self._leases.pop(session_pk, None)
             if not held.released and not held.lost:

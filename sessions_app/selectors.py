@@ -232,7 +232,17 @@ def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int)
 
 
 def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message]:
-    return list(Message.objects.filter(session_id=session_pk, seq__gt=after_seq).order_by("seq"))
+    """The dialog's messages after `after_seq`, ascending: what a model input is built from.
+    It runs before a turn's first token whenever the history cache is behind, so it is
+    written in SQL (`rows.from_row`)."""
+    table = Message._meta.db_table
+    sql = (
+        f'SELECT {row_columns(Message, "m")} FROM "{table}" m'  # noqa: S608
+        ' WHERE m."session_id" = %s AND m."seq" > %s ORDER BY m."seq"'
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [session_pk, after_seq])
+        return [from_row(Message, row) for row in cursor.fetchall()]
 
 
 def turn_queue(*, session_pk: str) -> list[Turn]:

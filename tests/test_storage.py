@@ -459,3 +459,11 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     assert read is not None
     for field in Compaction._meta.concrete_fields:
         assert getattr(read, field.attname) == getattr(orm_compaction, field.attname), field.name
+    from sessions_app.selectors import messages_for_context
+
+    context = messages_for_context(session_pk=session.pk, after_seq=99)
+    orm_messages = list(Message.objects.filter(session=session, seq__gt=99).order_by("seq"))
+    assert [m.seq for m in context] == [100, 101, 102]
+    for read_message, orm_message in zip(context, orm_messages, strict=True):
+        for field in Message._meta.concrete_fields:
+            assert getattr(read_message, field.attname) == getattr(orm_message, field.attname)

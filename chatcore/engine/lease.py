@@ -24,7 +24,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Q
 from django.utils import timezone
 
 from sessions_app.models import Session, StagedInput, Turn, TurnStatus
@@ -186,17 +185,21 @@ def check_all(leases: Iterable[Lease]) -> None:
     grows)."""
     wanted = {(h.session_pk, h.owner, h.epoch): h for h in leases if not h.lost}
     held: set[tuple[str, str, int]] = set()
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     for part in _chunks(list(wanted.values())):
-        condition = Q()
-        for h in part:
-            condition |= Q(pk=h.session_pk, lease_owner=h.owner, lease_epoch=h.epoch)
-        rows = (
-            Session.objects.select_for_update()
-            .filter(condition)
-            .order_by("pk")
-            .values_list("pk", "lease_owner", "lease_epoch")
+        # Every running turn's dialog, every second: written in SQL (the ORM compiled this
+        # OR of conditions slower than the database ran it).
+        condition = " OR ".join(
+            ['(s."id" = %s AND s."lease_owner" = %s AND s."lease_epoch" = %s)'] * len(part)
         )
-        held.update((pk, owner, int(epoch)) for pk, owner, epoch in rows)
+        sql = (
+            f'SELECT s."id", s."lease_owner", s."lease_epoch" FROM {_SESSIONS_QUOTED} s'  # noqa: S608
+            f' WHERE {condition} ORDER BY s."id"{lock}'
+        )
+        params = [value for h in part for value in (h.session_pk, h.owner, h.epoch)]
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            held.update((pk, owner, int(epoch)) for pk, owner, epoch in cursor.fetchall())
     for key, h in wanted.items():
         if key not in held:
             h.lost = True

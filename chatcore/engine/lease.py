@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from sessions_app.models import Session, StagedInput, Turn, TurnStatus
@@ -258,7 +259,12 @@ def release_if_idle(lease: Lease) -> bool:
     before it is seen here (False: the holder claims it); one queued after finds the lease
     free (its enqueuer takes it). A turn started under this lease at its admission (handed
     to the holder) keeps it too. Only our own epoch, as `release`. It runs after every
-    turn, so it is written in SQL."""
+    turn, so it is written in SQL.
+
+    On PostgreSQL the row is locked first, in the same transaction: a statement's
+    subqueries see the tables as of its start, so an UPDATE that waited for an admission
+    holding the row would not see the turn that admission added; the next statement does.
+    SQLite runs one write at a time, so there the statement alone is enough."""
     sql = (
         f'UPDATE "{_SESSIONS}" SET "lease_owner" = %s, "lease_expires_at" = NULL'  # noqa: S608
         ' WHERE "id" = %s AND "lease_owner" = %s AND "lease_epoch" = %s'
@@ -266,7 +272,13 @@ def release_if_idle(lease: Lease) -> bool:
         f" AND NOT EXISTS ({RUNNING_TURNS.sql(_SESSIONS_QUOTED)})"
     )
     params = [*QUEUED_TURNS.params, *RUNNING_TURNS.params]
-    with connection.cursor() as cursor:
+    locks_rows = connection.features.has_select_for_update
+    with transaction.atomic() if locks_rows else nullcontext(), connection.cursor() as cursor:
+        if locks_rows:
+            cursor.execute(
+                f'SELECT 1 FROM "{_SESSIONS}" WHERE "id" = %s FOR UPDATE',  # noqa: S608
+                [lease.session_pk],
+            )
         cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *params])
         released = cursor.rowcount == 1
     if released:

@@ -98,6 +98,9 @@ class Workers:
         # Turns started at admission under the lease of the dialog's lingering worker, for
         # that worker to run next (`hand_off`).
         self._handed: dict[str, queue.Started] = {}
+        # Dialogs whose worker is between turns (claiming, lingering, releasing): a turn may
+        # be started under its lease and handed to it.
+        self._between: set[str] = set()
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
 
@@ -172,9 +175,12 @@ class Workers:
             await on_db(queue.release_lease)(started.lease)
 
     def lingering_lease(self, session_pk: str) -> Lease | None:
-        """The lease of this process's worker of the dialog while it lingers after its last
-        turn (`_linger`), for a send to start its turn under (`queue.admit_and_start`)."""
-        if session_pk in self.lingering and self.running(session_pk):
+        """The lease of this process's worker of the dialog while it is between turns (after
+        its last turn: claiming the next, lingering, releasing), for a send to start its
+        turn under (`queue.admit_and_start`). The admitting transaction checks that the row
+        still shows it, and a release never frees it under such a turn
+        (`lease.release_if_idle`)."""
+        if session_pk in self._between and self.running(session_pk):
             return self._leases.get(session_pk)
         return None
 
@@ -227,9 +233,11 @@ class Workers:
                 wake.clear()
                 handed = self._handed.pop(session_pk, None)
                 if handed is not None:
+                    self._between.discard(session_pk)
                     await self._run_turn(handed)
                     self._wake_waiting(handed.turn)
                     continue
+                self._between.add(session_pk)
                 turn = await storage.astorage_retry(
                     functools.partial(
                         queue.claim_next, session_pk, held, cfg=self.cfg, states=self.states
@@ -237,6 +245,7 @@ class Workers:
                     what="claim",
                 )
                 if isinstance(turn, queue.Started):
+                    self._between.discard(session_pk)
                     if turn.appended is not None:
                         try:
                             self._announce(turn.appended, turn.turn)
@@ -263,6 +272,7 @@ class Workers:
                 # HELD_BACK (F7): the owner runs the most turns allowed. The queue waits,
                 # leaseless, until one of the owner's turns ends (`_start_waiting`, any
                 # process) or the sweep; a kick that came meanwhile means a slot may be free.
+                self._between.discard(session_pk)
                 await on_db(queue.release_lease)(held)
                 if wake.is_set():
                     again = await on_db(self._acquire)(session_pk)
@@ -276,6 +286,7 @@ class Workers:
             logger.error("lost the lease of a dialog", extra={"session_id": session_pk})
         finally:
             self.tasks.pop(session_pk, None)
+            self._between.discard(session_pk)
             self._handed.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
             self._leases.pop(session_pk, None)

@@ -172,6 +172,41 @@ def test_the_socket_bound_holds_across_processes(redis_url: str) -> None:
     redis.Redis.from_url(redis_url).delete("ws:user:424242")
 
 
+@pytest.mark.redis
+def test_the_send_budget_on_redis_is_one_count_shared_by_every_process(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: F7 (scaled mode: the per-minute budget is counted in Redis, across processes)
+    import uuid
+
+    from django.core.cache.backends.redis import RedisCache
+
+    from chatcore.common.errors import RateLimited
+    from chatcore.engine import limits
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    # A fixed clock 20 s into a minute: the test never straddles two minutes' counters.
+    monkeypatch.setattr(limits.time, "time", lambda: 1_800_000_000.0 - 40)
+    cfg = {"RATE_LIMIT_PER_MINUTE": 3, "WRITE_RATE_PER_MINUTE": 100}
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": prefix}}):
+        for _ in range(3):
+            limits.charge(9191, limits.SEND, cfg)
+        with pytest.raises(RateLimited) as refused:
+            limits.charge(9191, limits.SEND, cfg)
+        assert refused.value.retry_after == 40
+        # Writes have their own budget.
+        limits.charge(9191, limits.WRITE, cfg)
+    # Another process (its own cache client) sees the same count, through the cache API,
+    # and the counter goes away after its two minutes.
+    other = RedisCache(redis_url, {"KEY_PREFIX": prefix})
+    key = f"rl:send:9191:{int((1_800_000_000 - 40) // 60)}"
+    assert other.get(key) == 4
+    ttl = other._cache.get_client(write=True).ttl(other.make_and_validate_key(key))
+    assert 60 < ttl <= 120
+    other.delete_many([key, key.replace(":send:", ":write:")])
+
+
 def test_the_socket_bound_falls_back_to_the_process_when_redis_is_down() -> None:
     # covers: F7, G5 (an unreachable Redis never locks people out, nor lifts the bound)
     from chatcore.engine.limits import SocketRegistry

@@ -27,8 +27,9 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.cache import cache, caches
+from django.core.cache import caches
 from django.core.cache.backends.locmem import LocMemCache
+from django.core.cache.backends.redis import RedisCache
 from django.db import connection
 from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
@@ -37,6 +38,7 @@ from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
+from sessions_app.rows import cursor as sql_cursor
 
 from .provider_types import ChatProvider, Completion, ProviderEvent
 
@@ -60,16 +62,30 @@ def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = Non
     run it off the event loop (`acharge`)."""
     limit = int(_cfg(cfg)[_BUDGETS[budget]])
     now = time.time()
-    key = f"rl:{budget}:{user_id}:{int(now // 60)}"
-    cache.add(key, 0, timeout=120)
-    try:
-        count = cache.incr(key)
-    except ValueError:
-        cache.set(key, 1, timeout=120)
-        count = 1
+    count = _count(f"rl:{budget}:{user_id}:{int(now // 60)}")
     if count > limit:
         message = None if budget == SEND else _write_message()
         raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
+
+
+def _count(key: str) -> int:
+    """Add one to the counter `key` (created with a two-minute life) and return it. On Redis
+    one round trip (SET NX and INCR in a pipeline) instead of the cache API's three (add,
+    then incr's existence check and increment): every send pays it before admission."""
+    backend = caches["default"]
+    if isinstance(backend, RedisCache):
+        full = backend.make_and_validate_key(key)
+        client = backend._cache.get_client(full, write=True)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.set(full, 0, ex=120, nx=True)
+            pipe.incr(full)
+            return int(pipe.execute()[1])
+    backend.add(key, 0, timeout=120)
+    try:
+        return int(backend.incr(key))
+    except ValueError:  # expired between the two calls
+        backend.set(key, 1, timeout=120)
+        return 1
 
 
 def _write_message() -> str:
@@ -102,16 +118,23 @@ def party(owner_id: int, channel: str, chat_id: str) -> Q:
     return Q(owner_id=owner_id, session__channel=channel, session__chat_id=chat_id)
 
 
+_TURNS = Turn._meta.db_table
+_SESSIONS = Session._meta.db_table
+_USERS = User._meta.db_table
+_USER_PK = User._meta.pk.column
+
+
 def lock_owner(owner_id: int) -> None:
     """Serialise claims of one user's turns (all processes): lock the user's row for the
     claiming transaction, so two dialogs of one user never both take the last slot. SQLite
-    needs no lock: its write transactions already run one at a time."""
+    needs no lock: its write transactions already run one at a time. It runs before every
+    turn starts, so it is written in SQL (the ORM's compilation cost more than the lock)."""
     if connection.features.has_select_for_update:
-        User.objects.select_for_update().filter(pk=owner_id).values_list("pk", flat=True).first()
-
-
-_TURNS = Turn._meta.db_table
-_SESSIONS = Session._meta.db_table
+        with sql_cursor() as cursor:
+            cursor.execute(
+                f'SELECT 1 FROM "{_USERS}" WHERE "{_USER_PK}" = %s FOR UPDATE',  # noqa: S608
+                [owner_id],
+            )
 
 
 def _party_sql(
@@ -164,7 +187,7 @@ def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
         TurnStatus.RUNNING,
         TurnStatus.QUEUED,
     ]
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, params)
         running, older = cursor.fetchone()
     running, older = int(running or 0), int(older or 0)
@@ -190,7 +213,7 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
         ' WHERE r."session_id" = t."session_id" AND r."status" = %s)'
         ' GROUP BY t."session_id" ORDER BY "first" LIMIT %s'
     )
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [*params, TurnStatus.QUEUED, TurnStatus.RUNNING, cap])
         rows = [row[0] for row in cursor.fetchall()]
     if not rows:

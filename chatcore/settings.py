@@ -154,6 +154,13 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
         "max_size": _env_int("CHAT_DB_POOL_SIZE", _env_int("CHAT_DB_THREADS", 6) + 6),
         "timeout": 10,
     }
+    # Prepared statements for the statements written in SQL that every turn runs
+    # (`sessions_app.rows.cursor`, which binds their parameters on the server): a pooled
+    # connection prepares one after five runs, and the server parses and plans it once
+    # instead of on every turn. The ORM's cursors bind on the client and never prepare.
+    # CHAT_DB_PREPARED=0 turns it off, for a pooler in transaction mode (PgBouncer without
+    # max_prepared_statements), which cannot keep a connection's prepared statements.
+    _db["OPTIONS"]["prepare_threshold"] = 5 if _env_bool("CHAT_DB_PREPARED", True) else None
     # One test database per process, so two test runs on one server never collide.
     _db["TEST"] = {"NAME": f"test_{_db['NAME']}_{os.getpid()}"}
 DATABASES = {"default": _db}

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.backends.utils import CursorWrapper
 from django.db.models import Field, Model
 
 M = TypeVar("M", bound=Model)
@@ -34,6 +35,33 @@ _PLAIN: dict[str, type] = {
     "PositiveSmallIntegerField": int,
     "BooleanField": bool,
 }
+
+
+def cursor() -> CursorWrapper:
+    """A cursor for the statements written in SQL (here, and the engine's on our own tables).
+
+    On PostgreSQL it binds parameters on the server, so a pooled connection prepares a
+    statement it has run a few times (`OPTIONS["prepare_threshold"]`, settings) and the server
+    parses and plans it once, not on every turn: planning the turn's statements cost more
+    than running them. The ORM keeps Django's client-side binding, which some of its
+    expressions need (a parameter whose type only the client knows). Elsewhere (SQLite, which
+    caches its statements itself) Django's own cursor."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.vendor != "postgresql":
+        return conn.cursor()
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    # Django's own cursor (time zone, debug wrapper, error wrapping), made by the server-binding
+    # class: the connection's cursor class is swapped for this one call, on this thread's
+    # connection, and put back.
+    conn.ensure_connection()
+    raw = conn.connection
+    client = raw.cursor_factory
+    raw.cursor_factory = ServerBindingCursor
+    try:
+        return conn.cursor()
+    finally:
+        raw.cursor_factory = client
 
 
 @functools.cache
@@ -84,8 +112,8 @@ def insert(objs: Sequence[Model]) -> None:
     conn = connections[DEFAULT_DB_ALIAS]
     fields = _fields(model)
     params = [_db_value(field, obj, True, conn) for obj in objs for field in fields]
-    with conn.cursor() as cursor:
-        cursor.execute(_insert_sql(model, conn.vendor, len(objs)), params)
+    with cursor() as c:
+        c.execute(_insert_sql(model, conn.vendor, len(objs)), params)
     for obj in objs:
         obj._state.adding = False
         obj._state.db = conn.alias
@@ -118,8 +146,8 @@ def update(obj: Model, names: Iterable[str]) -> None:
     conn = connections[DEFAULT_DB_ALIAS]
     params = [_db_value(f, obj, False, conn) for f in _named(model, names)]
     params.append(opts.pk.get_db_prep_value(obj.pk, conn))
-    with conn.cursor() as cursor:
-        cursor.execute(_update_sql(model, conn.vendor, names), params)
+    with cursor() as c:
+        c.execute(_update_sql(model, conn.vendor, names), params)
 
 
 # --- Reads ------------------------------------------------------------------------------------

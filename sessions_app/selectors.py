@@ -27,6 +27,7 @@ from .models import (
     TurnStatus,
 )
 from .rows import columns as row_columns
+from .rows import cursor as sql_cursor
 from .rows import from_row
 
 
@@ -194,7 +195,7 @@ def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) ->
         f' FROM "{table}" m WHERE m."session_id" = %s AND m."seq" > %s) w'
         ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1'
     )
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [session_pk, after_seq, max_chars])
         row = cursor.fetchone()
     return after_seq if row is None else max(after_seq, int(row[0]) - 1)
@@ -207,7 +208,7 @@ def compaction_latest(*, session_pk: str) -> Compaction | None:
         f'SELECT {row_columns(Compaction, "c")} FROM "{table}" c'  # noqa: S608
         ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1'
     )
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [session_pk])
         row = cursor.fetchone()
     return None if row is None else from_row(Compaction, row)
@@ -220,7 +221,7 @@ def memory_notes_recent(*, owner_id: int, limit: int = 20) -> list[str]:
         f'SELECT n."content" FROM "{table}" n WHERE n."owner_id" = %s'  # noqa: S608
         ' ORDER BY n."created_at" DESC LIMIT %s'
     )
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [owner_id, limit])
         return [row[0] for row in reversed(cursor.fetchall())]
 
@@ -240,7 +241,7 @@ def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message
         f'SELECT {row_columns(Message, "m")} FROM "{table}" m'  # noqa: S608
         ' WHERE m."session_id" = %s AND m."seq" > %s ORDER BY m."seq"'
     )
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [session_pk, after_seq])
         return [from_row(Message, row) for row in cursor.fetchall()]
 

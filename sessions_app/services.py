@@ -35,6 +35,7 @@ from .models import (
     TurnStatus,
 )
 from .rows import columns as rows_columns
+from .rows import cursor as sql_cursor
 from .rows import from_row as rows_from_row
 from .rows import insert as rows_insert
 from .rows import update as rows_update
@@ -396,7 +397,7 @@ def lock_session(session_pk: str) -> Session | None:
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     table = Session._meta.db_table
     sql = f'SELECT {rows_columns(Session, "s")} FROM "{table}" s WHERE s."id" = %s{lock}'  # noqa: S608
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(sql, [session_pk])
         row = cursor.fetchone()
     return None if row is None else rows_from_row(Session, row)

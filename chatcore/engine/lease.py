@@ -28,6 +28,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from sessions_app.models import Session, StagedInput, Turn, TurnStatus
+from sessions_app.rows import cursor as sql_cursor
 
 _SESSIONS = Session._meta.db_table
 _SESSIONS_QUOTED = f'"{_SESSIONS}"'
@@ -50,7 +51,7 @@ class Waiting:
             f'SELECT 1 FROM "{self.table}" w'  # noqa: S608 (our own tables)
             ' WHERE w."session_id" = %s AND w."status" = %s LIMIT 1'
         )
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             cursor.execute(sql, [session_pk, self.status])
             return cursor.fetchone() is not None
 
@@ -115,7 +116,7 @@ class Lease:
             ' WHERE s."id" = %s AND s."lease_owner" = %s AND s."lease_epoch" = %s'
         )
         params = [*(waiting.params if waiting else ()), self.session_pk, self.owner, self.epoch]
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
         if row is None:
@@ -154,7 +155,7 @@ def acquire(session_pk: str, *, owner: str, seconds: float) -> Lease | None:
     started = time.monotonic()
     table = connection.ops.quote_name(Session._meta.db_table)
     adapt = connection.ops.adapt_datetimefield_value
-    with connection.cursor() as cursor:
+    with sql_cursor() as cursor:
         cursor.execute(
             f"UPDATE {table} SET lease_owner = %s, lease_expires_at = %s, "  # noqa: S608
             "lease_epoch = lease_epoch + 1 "
@@ -198,7 +199,7 @@ def check_all(leases: Iterable[Lease]) -> None:
             f' WHERE {condition} ORDER BY s."id"{lock}'
         )
         params = [value for h in part for value in (h.session_pk, h.owner, h.epoch)]
-        with connection.cursor() as cursor:
+        with sql_cursor() as cursor:
             cursor.execute(sql, params)
             held.update((pk, owner, int(epoch)) for pk, owner, epoch in cursor.fetchall())
     for key, h in wanted.items():
@@ -228,7 +229,7 @@ def renew_all(leases: Iterable[Lease]) -> list[Lease]:
             params: list[Any] = [expires, owner]
             for h in part:
                 params += [h.session_pk, h.epoch]
-            with connection.cursor() as cursor:
+            with sql_cursor() as cursor:
                 cursor.execute(
                     f"UPDATE {table} SET lease_expires_at = %s "  # noqa: S608
                     f"WHERE lease_owner = %s AND ({fenced}) RETURNING id, lease_epoch",
@@ -273,7 +274,7 @@ def release_if_idle(lease: Lease) -> bool:
     )
     params = [*QUEUED_TURNS.params, *RUNNING_TURNS.params]
     locks_rows = connection.features.has_select_for_update
-    with transaction.atomic() if locks_rows else nullcontext(), connection.cursor() as cursor:
+    with transaction.atomic() if locks_rows else nullcontext(), sql_cursor() as cursor:
         if locks_rows:
             cursor.execute(
                 f'SELECT 1 FROM "{_SESSIONS}" WHERE "id" = %s FOR UPDATE',  # noqa: S608

@@ -106,7 +106,7 @@ def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
         TurnStatus.QUEUED,
         session_pk,
     ]
-    with connection.cursor() as cursor:
+    with rows.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:
@@ -702,7 +702,7 @@ def checkpoint_all(items: list[Checkpoint]) -> CheckpointPass:
                 f' WHERE "id" IN ({marks}) AND "status" = %s'
             )
             params = [v for pk, i in zip(ids, part, strict=True) for v in (pk, i.text)]
-            with connection.cursor() as cursor:
+            with rows.cursor() as cursor:
                 cursor.execute(sql, [*params, *ids, TurnStatus.RUNNING])
         cancel: set[str] = set()
         for start in range(0, len(live), CHECKPOINT_CHUNK):
@@ -714,7 +714,7 @@ def checkpoint_all(items: list[Checkpoint]) -> CheckpointPass:
                 f'SELECT "id" FROM "{_TURNS}"'  # noqa: S608
                 f' WHERE "id" IN ({", ".join(["%s"] * len(ids))}) AND "cancel_requested" = %s'
             )
-            with connection.cursor() as cursor:
+            with rows.cursor() as cursor:
                 cursor.execute(sql, [*ids, True])
                 cancel.update(str(turn_id.to_python(pk)) for (pk,) in cursor.fetchall())
     return CheckpointPass(lost=lost, cancel=cancel)

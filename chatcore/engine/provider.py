@@ -27,6 +27,7 @@ from .provider_errors import (
     classify_stream_error,
     limit_rejection,
 )
+from .provider_net import provider_transport
 from .provider_types import (
     ChatProvider,
     Completion,
@@ -72,12 +73,15 @@ class OpenAIProvider:
         # connection for its whole length; the engine bounds model calls where it is visible),
         # keep the keep-alive pool small (httpcore scans it linearly under bursts), and wait
         # only briefly for a pooled connection.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=max_keepalive_connections
+        )
         self._client = httpx.AsyncClient(
-            transport=transport,
+            # F7: httpx and httpcore over plain asyncio connections (`provider_net`), unless a
+            # test's transport is given or the environment names a proxy.
+            transport=transport or provider_transport(self.base_url, limits=limits),
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout, pool=pool_timeout),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=max_keepalive_connections
-            ),
+            limits=limits,
         )
 
     @classmethod
@@ -199,42 +203,38 @@ class OpenAIProvider:
                     if rejected is not None:
                         raise rejected
                     raise classify_http_error(resp.status_code, body)
-                # Read the stream to its end, also past [DONE] (STYLE 6).
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if not data or data == "[DONE]":
-                        continue
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError as exc:
-                        raise ProviderError(
-                            "bad_response", "the model server sent malformed data"
-                        ) from exc
-                    if chunk.get("error"):
-                        raise classify_stream_error(chunk)
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        piece = delta.get("content")
+                # Read the stream to its end, also past [DONE] (STYLE 6). The bytes are
+                # split into lines here, not by httpx's text and line decoders: this runs for
+                # every delta of every answer, on the loop all sockets share (F7). The text
+                # deltas of one read go out as one (the snapshot is the same, one hop less).
+                rest = b""
+                async for raw in resp.aiter_bytes():
+                    payloads, rest = sse_payloads(rest + raw if rest else raw)
+                    pieces: list[str] = []
+                    error: ProviderError | None = None
+                    for data in payloads:
+                        try:
+                            piece, usage, finish_reason = _read_chunk(
+                                data, calls, usage, finish_reason
+                            )
+                        except ProviderError as exc:
+                            error = exc
+                            break
+                        if piece:
+                            pieces.append(piece)
+                    if pieces:
+                        text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+                        text_parts.append(text)
+                        # Also before an error of the same read: the partial keeps it.
+                        yield TextDelta(text)
+                    if error is not None:
+                        raise error
+                if rest:
+                    for data in sse_payloads(rest + b"\n")[0]:
+                        piece, usage, finish_reason = _read_chunk(data, calls, usage, finish_reason)
                         if piece:
                             text_parts.append(piece)
                             yield TextDelta(piece)
-                        for tc in delta.get("tool_calls") or []:
-                            slot = calls.setdefault(
-                                int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""}
-                            )
-                            if tc.get("id"):
-                                slot["id"] = tc["id"]
-                            fn = tc.get("function") or {}
-                            if fn.get("name"):
-                                slot["name"] += fn["name"]
-                            if fn.get("arguments"):
-                                slot["arguments"] += fn["arguments"]
-                        if choice.get("finish_reason"):
-                            finish_reason = choice["finish_reason"]
         except httpx.TimeoutException as exc:
             raise ProviderError("timeout", "the model server timed out") from exc
         except httpx.TransportError as exc:
@@ -253,6 +253,59 @@ class OpenAIProvider:
             usage=usage,
             finish_reason=finish_reason,
         )
+
+
+def sse_payloads(data: bytes) -> tuple[list[bytes], bytes]:
+    """The `data:` payloads of the complete lines in `data` (server-sent events; lines end
+    with CRLF, LF or CR), and the incomplete last line to prepend to the next read."""
+    lines = data.splitlines()
+    rest = b""
+    if lines and not data.endswith((b"\n", b"\r")):
+        rest = lines.pop()
+    out = []
+    for line in lines:
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                out.append(payload)
+    return out, rest
+
+
+def _read_chunk(
+    data: bytes, calls: dict[int, dict[str, Any]], usage: dict[str, Any], finish_reason: str
+) -> tuple[str, dict[str, Any], str]:
+    """One streamed chunk: its text (if any), and the usage and finish reason so far; tool
+    call parts are added to `calls` by index."""
+    try:
+        chunk = json.loads(data)
+    except ValueError as exc:
+        raise ProviderError("bad_response", "the model server sent malformed data") from exc
+    if not isinstance(chunk, dict):
+        raise ProviderError("bad_response", "the model server sent malformed data")
+    if chunk.get("error"):
+        raise classify_stream_error(chunk)
+    if chunk.get("usage"):
+        usage = chunk["usage"]
+    text = ""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        piece = delta.get("content")
+        if piece:
+            text += piece
+        for tc in delta.get("tool_calls") or []:
+            slot = calls.setdefault(
+                int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""}
+            )
+            if tc.get("id"):
+                slot["id"] = tc["id"]
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                slot["name"] += fn["name"]
+            if fn.get("arguments"):
+                slot["arguments"] += fn["arguments"]
+        if choice.get("finish_reason"):
+            finish_reason = choice["finish_reason"]
+    return text, usage, finish_reason
 
 
 def provider_from_settings() -> ChatProvider:

@@ -1,0 +1,296 @@
+"""The model client's own network layer (issue 10 item 1, E5, F7): httpx and httpcore over
+plain asyncio connections (`chatcore/engine/provider_net.py`) and the byte-level reading of
+the event stream. Real sockets on loopback: a small HTTP/1.1 server here that can answer in
+odd pieces, keep or drop the connection, stall, or speak TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from chatcore.engine.provider import OpenAIProvider, sse_payloads
+from chatcore.engine.provider_net import HIGH_WATER, ModelTransport, provider_transport
+from chatcore.engine.provider_types import Completion, ProviderError, TextDelta
+from tests.procs import free_port
+
+Respond = Callable[[asyncio.StreamWriter, dict[str, Any]], Awaitable[bool]]
+
+
+class Server:
+    """Counts its connections; each request is answered by `respond`, which says whether the
+    connection stays open for the next one."""
+
+    def __init__(self, respond: Respond) -> None:
+        self.respond = respond
+        self.connections = 0
+        self.requests: list[dict[str, Any]] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self, tls: ssl.SSLContext | None = None) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=tls)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"{'https' if tls else 'http'}://127.0.0.1:{port}/v1"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+                length = next(
+                    int(line.split(":", 1)[1])
+                    for line in head.split("\r\n")
+                    if line.lower().startswith("content-length:")
+                )
+                body = json.loads(await reader.readexactly(length))
+                self.requests.append(body)
+                if not await self.respond(writer, body):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def event_stream(pieces: list[str], *, newline: bytes = b"\n") -> bytes:
+    lines = [
+        {"choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces
+    ]
+    lines.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    lines.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    out = b"".join(b"data: " + json.dumps(x).encode() + newline + newline for x in lines)
+    return out + b"data: [DONE]" + newline + newline
+
+
+def head(length: int) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        + f"Content-Length: {length}\r\n\r\n".encode()
+    )
+
+
+def answer(pieces: list[str], *, keep: bool = True, step: int = 0, newline: bytes = b"\n"):
+    """A responder: the stream of `pieces`, written `step` bytes at a time (0: at once)."""
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        data = event_stream(pieces, newline=newline)
+        writer.write(head(len(data)))
+        if not step:
+            writer.write(data)
+        else:
+            for start in range(0, len(data), step):
+                writer.write(data[start : start + step])
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        await writer.drain()
+        return keep
+
+    return respond
+
+
+async def collect(provider: OpenAIProvider) -> tuple[list[str], Completion]:
+    deltas: list[str] = []
+    async for event in provider.stream(messages=[{"role": "user", "content": "hi"}]):
+        if isinstance(event, TextDelta):
+            deltas.append(event.text)
+        elif isinstance(event, Completion):
+            return deltas, event
+    raise AssertionError("no completion")
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., Awaitable[tuple[Server, str]]]]:
+    servers: list[Server] = []
+
+    async def start(respond: Respond, tls: ssl.SSLContext | None = None) -> tuple[Server, str]:
+        server = Server(respond)
+        servers.append(server)
+        return server, await server.start(tls)
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+def provider_for(url: str, **kwargs: Any) -> OpenAIProvider:
+    return OpenAIProvider(base_url=url, model="m", max_retries=0, **kwargs)
+
+
+async def test_the_model_client_uses_its_own_connections_and_keeps_them_alive(serve) -> None:
+    # covers: E5, F7, STYLE 6 (issue 10 item 1: streaming costs the loop as little as it can)
+    server, url = await serve(answer(["Hel", "lo"]))
+    provider = provider_for(url)
+    assert isinstance(provider._client._transport, ModelTransport)
+    for _ in range(3):
+        deltas, done = await collect(provider)
+        assert "".join(deltas) == done.text == "Hello"
+        assert done.finish_reason == "stop"
+        assert done.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    # One connection for all three answers (kept alive between them).
+    assert server.connections == 1
+    await provider.aclose()
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+async def test_an_answer_in_odd_pieces_arrives_whole(serve, newline: bytes) -> None:
+    # covers: E5 (lines split across reads, a character split across reads, any line ending)
+    pieces = ["Grüße ", "aus ", "Köln 🌷", " — ", "ok"]
+    _server, url = await serve(answer(pieces, step=7, newline=newline))
+    provider = provider_for(url)
+    deltas, done = await collect(provider)
+    assert "".join(deltas) == done.text == "".join(pieces)
+    await provider.aclose()
+
+
+async def test_a_connection_the_server_closed_is_not_reused(serve) -> None:
+    # covers: E5, G5 (an idle kept-alive connection that the server ended is replaced)
+    server, url = await serve(answer(["one"], keep=False))
+    provider = provider_for(url)
+    assert (await collect(provider))[1].text == "one"
+    await asyncio.sleep(0.05)  # the server's close reaches the client
+    assert (await collect(provider))[1].text == "one"
+    assert server.connections == 2
+    await provider.aclose()
+
+
+async def test_an_answer_larger_than_the_read_buffer_arrives_whole(serve) -> None:
+    # covers: E5 (reading pauses past the high-water mark and resumes; nothing is lost)
+    pieces = [f"{i:06d}" + "x" * 994 for i in range(2 * HIGH_WATER // 1000)]
+    _server, url = await serve(answer(pieces))
+    provider = provider_for(url)
+    deltas, done = await collect(provider)
+    assert done.text == "".join(pieces)
+    assert "".join(deltas) == done.text
+    await provider.aclose()
+
+
+async def test_a_server_that_stalls_mid_answer_times_out(serve) -> None:
+    # covers: E5, C10 (the read timeout holds on this layer too: the turn fails `timeout`)
+    async def stall(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        data = event_stream(["never", "finished"])
+        writer.write(head(len(data)) + data[:40])
+        await writer.drain()
+        await asyncio.sleep(5)
+        return False
+
+    _server, url = await serve(stall)
+    provider = provider_for(url, read_timeout=0.3)
+    with pytest.raises(ProviderError) as failed:
+        await collect(provider)
+    assert failed.value.kind == "timeout"
+    await provider.aclose()
+
+
+async def test_an_unreachable_server_is_a_connection_error() -> None:
+    # covers: E5, C10
+    provider = provider_for(f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.raises(ProviderError) as failed:
+        await collect(provider)
+    assert failed.value.kind == "connection"
+    await provider.aclose()
+
+
+def _self_signed(folder: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for 127.0.0.1 and a client context trusting it."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = folder / "cert.pem", folder / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert_file, key_file)
+    client = ssl.create_default_context(cafile=str(cert_file))
+    return server, client
+
+
+async def test_answers_stream_over_tls(serve, tmp_path: Path) -> None:
+    # covers: E5 (a model server behind https, as every hosted one is)
+    server_tls, client_tls = _self_signed(tmp_path)
+    server, url = await serve(answer(["sec", "ure"], step=5), tls=server_tls)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2)
+    provider = provider_for(url, transport=ModelTransport(limits=limits, verify=client_tls))
+    for _ in range(2):
+        deltas, done = await collect(provider)
+        assert "".join(deltas) == done.text == "secure"
+    assert server.connections == 1
+    await provider.aclose()
+
+
+async def test_a_certificate_the_client_does_not_trust_is_refused(serve, tmp_path: Path) -> None:
+    # covers: E5, F8 (no silent downgrade: an unknown certificate fails the connection)
+    server_tls, _client_tls = _self_signed(tmp_path)
+    _server, url = await serve(answer(["no"]), tls=server_tls)
+    provider = provider_for(url)
+    with pytest.raises(ProviderError) as failed:
+        await collect(provider)
+    assert failed.value.kind == "connection"
+    await provider.aclose()
+
+
+def test_a_proxy_in_the_environment_keeps_httpx_s_own_transport(monkeypatch) -> None:
+    # covers: E5 (HTTPS_PROXY and NO_PROXY are honoured as httpx honours them)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2)
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    assert isinstance(
+        provider_transport("https://api.example.com/v1", limits=limits), ModelTransport
+    )
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example.com:3128")
+    assert provider_transport("https://api.example.com/v1", limits=limits) is None
+    monkeypatch.setenv("NO_PROXY", "api.example.com")
+    assert isinstance(
+        provider_transport("https://api.example.com/v1", limits=limits), ModelTransport
+    )
+
+
+def test_event_lines_are_read_whatever_their_ending() -> None:
+    # covers: E5 (server-sent events: CRLF, LF or CR; comments and other fields ignored)
+    payloads, rest = sse_payloads(
+        b'data: {"a":1}\r\n\r\n: ping\n\nevent: x\rdata:{"b":2}\r\rdata: {"c"'
+    )
+    assert payloads == [b'{"a":1}', b'{"b":2}']
+    assert rest == b'data: {"c"'
+    payloads, rest = sse_payloads(rest + b":3}\n\ndata: [DONE]\n\n")
+    assert payloads == [b'{"c":3}']
+    assert rest == b""

@@ -7,11 +7,19 @@ most of the event loop's time. This layer keeps the same behaviour (same capacit
 of unread messages and of group memberships, each recipient its own copy of the message) and
 does the cleanup at most once per `CLEAN_INTERVAL_SECONDS`: expiry is counted in a minute
 (messages) and a day (memberships), so sweeping once a second changes nothing a client sees.
+
+A member whose channel is full (a connection that stopped reading: `capacity` messages behind)
+misses a group message, as in Channels; here each miss is counted (`dropped`) and logged, at
+most once per `DROP_LOG_INTERVAL_SECONDS` with the count since the last line, so an operator
+sees it and the log is not flooded. The client that missed a snapshot tail sees a gap in the
+next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that missed a
+history delta sees a gap in the revisions and asks for the history (D3).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from copy import deepcopy
 from typing import Any
@@ -20,6 +28,9 @@ from channels.exceptions import ChannelFull
 from channels.layers import InMemoryChannelLayer
 
 CLEAN_INTERVAL_SECONDS = 1.0
+DROP_LOG_INTERVAL_SECONDS = 10.0
+
+logger = logging.getLogger(__name__)
 
 _ATOMS = (str, int, float, bool, type(None))
 
@@ -39,6 +50,10 @@ class LocalChannelLayer(InMemoryChannelLayer):
     """`InMemoryChannelLayer` with amortised expiry cleanup and a direct group fan-out."""
 
     _cleaned_at = 0.0
+    # Group messages missed by full channels since the layer was made, and since last logged.
+    dropped = 0
+    _dropped_unlogged = 0
+    _dropped_logged_at = -DROP_LOG_INTERVAL_SECONDS
 
     def _clean_expired(self) -> None:
         now = time.monotonic()
@@ -74,4 +89,22 @@ class LocalChannelLayer(InMemoryChannelLayer):
             try:
                 self._put(channel, message)
             except ChannelFull:
-                pass
+                self._missed(group, channel)
+
+    def _missed(self, group: str, channel: str) -> None:
+        self.dropped += 1
+        self._dropped_unlogged += 1
+        now = time.monotonic()
+        if now - self._dropped_logged_at < DROP_LOG_INTERVAL_SECONDS:
+            return
+        logger.warning(
+            "channel layer: %d group message(s) missed by full channels (%d since start; "
+            "latest: group %s, channel %s, %d unread)",
+            self._dropped_unlogged,
+            self.dropped,
+            group,
+            channel,
+            self.channels[channel].qsize(),
+        )
+        self._dropped_logged_at = now
+        self._dropped_unlogged = 0

@@ -7,9 +7,10 @@ at once that was the largest item on the event loop, which every socket, snapsho
 of the process shares. This backend keeps httpx and httpcore (HTTP/1.1 parsing, the pool,
 TLS, timeouts, errors) and gives them a stream built on an `asyncio.Protocol`: bytes the
 kernel delivered wait in a buffer, a read takes what is there without a scheduling round
-trip, and a timeout is one timer. Flow control holds: reading pauses past `HIGH_WATER` bytes
-unread and resumes once the reader caught up; a write waits while the kernel's buffer is
-full.
+trip, and the read timeout is one timer per connection, moved on lazily (not one timer per
+read, made and cancelled thousands of times a second). Flow control holds: reading pauses
+past `HIGH_WATER` bytes unread and resumes once the reader caught up; a write waits while the
+kernel's buffer is full.
 
 The pool is the transport's own (`ModelTransport`), with the limits it was given: no cap on
 connections (F7: the engine bounds model calls where users see it), a small keep-alive pool.
@@ -48,6 +49,10 @@ class _Protocol(asyncio.Protocol):
         self.paused_reading = False
         self._reader: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None
+        # The waiting read's deadline (loop time), and the one timer that enforces it: when it
+        # fires early (the deadline moved on since it was set) it sets itself again.
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -74,6 +79,7 @@ class _Protocol(asyncio.Protocol):
             self.error = exc
         self._wake_reader()
         self._wake_writer()
+        self.cancel_timer()
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
@@ -107,13 +113,32 @@ class _Protocol(asyncio.Protocol):
     async def wait_readable(self, timeout: float | None) -> None:
         loop = asyncio.get_running_loop()
         waiter = self._reader = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+        if timeout is None:
+            self._deadline = float("inf")
+        else:
+            self._deadline = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._check_deadline)
         try:
             await waiter
         finally:
             self._reader = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self._reader
+        if waiter is None or waiter.done():
+            return  # no read waiting: the next one sets a timer again
+        loop = waiter.get_loop()
+        if loop.time() >= self._deadline:
+            waiter.set_exception(TimeoutError())
+        elif self._deadline != float("inf"):
+            self._timer = loop.call_at(self._deadline, self._check_deadline)
+
+    def cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def wait_writable(self, timeout: float | None) -> None:
         waiter = self._writable
@@ -183,6 +208,7 @@ class AsyncioStream(AsyncNetworkStream):
             raise httpcore.WriteError(str(self._protocol.error))
 
     async def aclose(self) -> None:
+        self._protocol.cancel_timer()
         self._transport.close()
 
     async def start_tls(

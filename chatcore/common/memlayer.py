@@ -66,6 +66,22 @@ class LocalChannelLayer(InMemoryChannelLayer):
         await super().flush()
         self._cleaned_at = 0.0
 
+    async def receive(self, channel: str) -> dict[str, Any]:
+        """As the base, without building a spare queue at every call (the base's `setdefault`
+        makes one each time); a channel's queue still goes when it is empty, so the channels
+        of closed connections do not stay behind."""
+        self.require_valid_channel_name(channel)
+        self._clean_expired()
+        queue = self.channels.get(channel)
+        if queue is None:
+            queue = self.channels[channel] = asyncio.Queue(maxsize=self.get_capacity(channel))
+        try:
+            _expires, message = await queue.get()
+        finally:
+            if queue.empty() and self.channels.get(channel) is queue:
+                del self.channels[channel]
+        return message
+
     async def send(self, channel: str, message: dict[str, Any]) -> None:
         assert isinstance(message, dict), "message is not a dict"
         self.require_valid_channel_name(channel)

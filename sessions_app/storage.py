@@ -15,7 +15,7 @@ from django.db import DatabaseError, IntegrityError, close_old_connections, conn
 from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import Lane, on_db
 from chatcore.common.errors import StorageError
 
 from .models import Session
@@ -70,19 +70,23 @@ def storage_retry(operation: Callable[[], T], *, what: str, session: Session | N
 
 
 async def astorage_retry(
-    operation: Callable[[], T], *, what: str, session: Session | None = None
+    operation: Callable[[], T],
+    *,
+    what: str,
+    session: Session | None = None,
+    lane: Lane | None = None,
 ) -> T:
-    """`storage_retry` for async callers: each attempt runs on the database thread, and the
-    backoff between attempts waits on the event loop, so the thread serves other dialogs
-    meanwhile (a `/stop` or an admission elsewhere is not held up by this write's retries).
-    `operation` must be safe to run again after a failed attempt (a transaction that rolled
-    back)."""
+    """`storage_retry` for async callers: each attempt runs on the database thread (in
+    `lane`'s next trip, if given), and the backoff between attempts waits on the event loop,
+    so the thread serves other dialogs meanwhile (a `/stop` or an admission elsewhere is not
+    held up by this write's retries). `operation` must be safe to run again after a failed
+    attempt (a transaction that rolled back)."""
     delays = list(settings.CHAT["STORAGE_RETRY_DELAYS_MS"])
     attempt = 0
     while True:
         token = _ATTEMPT_ONLY.set(True)
         try:
-            return await on_db(operation)()
+            return await (lane.run(operation) if lane is not None else on_db(operation)())
         except IntegrityError:
             raise
         except DatabaseError as exc:

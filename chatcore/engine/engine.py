@@ -27,8 +27,10 @@ from typing import Any
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.db import connection
 
 from chatcore.common import events, publish
+from chatcore.common.dbthreads import Lane
 from sessions_app import storage
 from sessions_app.models import Session, TurnStatus
 
@@ -100,6 +102,10 @@ class Engine:
             backoff=self.cfg["SINK_BACKOFF_SECONDS"],
             timeout=self.cfg["SINK_TIMEOUT_SECONDS"],
         )
+        # G6: on SQLite, whose writes take turns anyway, the admissions and the final commits
+        # of many turns go to the database threads a batch per trip (`dbthreads.Lane`); on
+        # PostgreSQL each has its own trip, and those of different dialogs run side by side.
+        self.writes = Lane("writes") if connection.vendor == "sqlite" else None
         self.workers = Workers(
             process_id=self.process_id,
             cfg=self.cfg,
@@ -111,6 +117,7 @@ class Engine:
             delivery=self.delivery,
             scheduler=self.scheduler,
             scope=scope,
+            writes=self.writes,
         )
         # The turns this process runs now, by turn id.
         self.local: dict[str, LocalTurn] = self.workers.local
@@ -178,6 +185,7 @@ class Engine:
             ),
             what="admit",
             session=session,
+            lane=self.writes,
         )
         if started is not None and started.lease is held:
             await self.workers.hand_off(started)

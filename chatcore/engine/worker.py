@@ -20,7 +20,7 @@ from typing import Any
 from django.db import DatabaseError
 
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import Lane, on_db
 from chatcore.common.errors import ShuttingDown, StorageError
 from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
@@ -80,6 +80,7 @@ class Workers:
         delivery: DeliveryCoordinator,
         scheduler: Scheduler,
         scope: Callable[[Any], Any] | None,
+        writes: Lane | None = None,
     ) -> None:
         self.process_id = process_id
         self.cfg = cfg
@@ -91,6 +92,8 @@ class Workers:
         self.delivery = delivery
         self.scheduler = scheduler
         self.scope = scope
+        # The write lane the final commits share with the admissions (SQLite), or None.
+        self.writes = writes
         self.local: dict[str, LocalTurn] = {}
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self._wakeups: dict[str, asyncio.Event] = {}
@@ -542,6 +545,7 @@ class Workers:
                 ),
                 what="turn_commit",
                 session=session,
+                lane=self.writes,
             )
         except StorageError:
             # C9/C10: not saved after every retry: the turn ends failed, not completed.

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 
+from chatcore.common import publish
 from chatcore.engine.clientstate import snapshot_gaps
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,19 @@ def _check_channel_layer() -> dict[str, Any]:
     backend = str(settings.CHANNEL_LAYERS["default"]["BACKEND"]).rsplit(".", 1)[-1]
     if layer is None:
         return {"ok": False, "backend": backend}
+    # D1, issue 10: frames this process did not get through, since it started: group
+    # messages a full channel missed (the embedded layer counts them; Redis pub/sub queues are
+    # unbounded) and publishes the layer refused.
+    counts = {
+        "dropped": int(getattr(layer, "dropped", 0)),
+        "failed_publishes": publish.failed_publishes(),
+    }
     try:
         async_to_sync(layer.group_send)("health.probe", {"type": "health.probe"})
-        return {"ok": True, "backend": backend}
+        return {"ok": True, "backend": backend, **counts}
     except Exception as exc:
         logger.warning("health: channel layer check failed: %s", exc)
-        return {"ok": False, "backend": backend}
+        return {"ok": False, "backend": backend, **counts}
 
 
 def _check_broker() -> dict[str, Any]:

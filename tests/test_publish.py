@@ -87,3 +87,31 @@ async def test_a_sync_publish_on_the_engine_loop_is_a_supervised_task(make_engin
     assert len(engine.supervisor) == before + 1
     frame = await rec.next()
     assert frame == {"type": "sessions_changed", "session_id": "s", "change": "deleted"}
+
+
+async def test_frames_that_did_not_get_through_are_counted_on_the_health_page(
+    async_client, monkeypatch
+) -> None:
+    # covers: F4, D1 (issue 10 item 4: a frame the layer drops or refuses is never silent)
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    before = (await async_client.get("/healthz")).json()["channel_layer"]
+    # A connection that stopped reading: its channel is full, so it misses a group message.
+    stuck = await layer.new_channel()
+    await layer.group_add("sess.stuck", stuck)
+    for i in range(layer.get_capacity(stuck)):
+        await layer.send(stuck, {"type": "chat.event", "n": i})
+    await publish.apublish("sess.stuck", {"type": "turn_snapshot"})
+
+    # A layer that refuses a publish (its server is away).
+    async def refuse(group: str, message: object) -> None:
+        raise ConnectionError("layer down")
+
+    monkeypatch.setattr(layer, "group_send", refuse)
+    await publish.apublish("sess.other", {"type": "turn_snapshot"})
+    monkeypatch.undo()
+    after = (await async_client.get("/healthz")).json()["channel_layer"]
+    assert after["dropped"] == before["dropped"] + 1
+    assert after["failed_publishes"] == before["failed_publishes"] + 1
+    await layer.flush()

@@ -60,14 +60,24 @@ def bind_loop(loop: asyncio.AbstractEventLoop | None, spawn: Spawn | None = None
 # --- Sending ------------------------------------------------------------------------------
 
 
+# Publishes the channel layer refused since the process started (shown on `/healthz`).
+_failed = 0
+
+
+def failed_publishes() -> int:
+    return _failed
+
+
 async def apublish(group: str, frame: dict[str, Any]) -> None:
+    global _failed
     layer = get_channel_layer()
     if layer is None:
         return
     try:
         await layer.group_send(group, {"type": EVENT_TYPE, "frame": frame})
     except Exception:
-        # C3: a failing listener never fails the turn.
+        # C3: a failing listener never fails the turn; the failure is logged and counted.
+        _failed += 1
         logger.exception("publish to %s failed", group)
 
 

@@ -19,7 +19,7 @@ The model is `tests.fakemodel.FakeModelServer` in its own process. Figures per t
   (answer characters delivered per second / what the model offered: streams x answer length /
   one answer's own duration), and TTFT p99.
 Every answer is rebuilt from its snapshot tails and compared with the model's text; a mismatch
-is counted and printed (it is a failure, not noise).
+is counted and printed, and the run exits non-zero (it is a failure, not noise).
 """
 
 from __future__ import annotations
@@ -437,6 +437,10 @@ def main(args: argparse.Namespace) -> None:
             f"| {row['delivered']:.2f} | {row['burst_p99']:.0f} "
             f"| {row['burst_p99'] / max(floor['burst_p99'], 0.01):.1f} | {row['mismatches']:.0f} |"
         )
+    wrong = sum(int(row["mismatches"]) for _name, row in rows)
+    if wrong:
+        # An answer the client could not rebuild exactly is a failure, not noise.
+        raise SystemExit(f"\nFAILED: {wrong} answer(s) rebuilt from their snapshots did not match")
 
 
 if __name__ == "__main__":

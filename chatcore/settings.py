@@ -172,7 +172,7 @@ SCALED = bool(REDIS_URL)
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
-            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
             "CONFIG": {"hosts": [REDIS_URL]},
         }
     }

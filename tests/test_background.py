@@ -80,7 +80,7 @@ def mode(request, fake_model) -> Iterator[str]:
     queue = f"test-{uuid.uuid4().hex[:8]}"
     layers = {
         "default": {
-            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
             "CONFIG": {"hosts": [redis_url]},
         }
     }

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from channels.layers import InMemoryChannelLayer
-from channels_redis.pubsub import RedisPubSubChannelLayer
 from django.test import override_settings
 
 from chatcore.common import publish
+from chatcore.common.redislayer import RedisPubSubLayer
 from tests.engine_helpers import chat_group_of, history, make_dialog, send
 from tests.fakemodel import Reply
 
@@ -38,7 +38,7 @@ class SlowInMemoryLayer(InMemoryChannelLayer):
         await super().group_send(group, message)
 
 
-class SlowRedisLayer(RedisPubSubChannelLayer):
+class SlowRedisLayer(RedisPubSubLayer):
     # The pub/sub layer proxies its methods to a per-loop layer.
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         await _slowly(message)

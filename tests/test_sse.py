@@ -174,7 +174,7 @@ async def test_sse_over_redis_keeps_every_frame_across_keepalives(
     monkeypatch.setattr(sse_module, "SSE_KEEPALIVE_SECONDS", 0.01)
     layers = {
         "default": {
-            "BACKEND": "channels_redis.pubsub.RedisPubSubChannelLayer",
+            "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
             "CONFIG": {"hosts": [redis_url], "prefix": f"t{uuid.uuid4().hex[:8]}"},
         }
     }

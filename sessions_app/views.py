@@ -12,6 +12,7 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 
 from chatcore.common import publish
+from chatcore.common.memlayer import LocalChannelLayer
 from chatcore.engine.clientstate import snapshot_gaps
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def _check_channel_layer() -> dict[str, Any]:
     # messages a full channel missed (the embedded layer counts them; Redis pub/sub queues are
     # unbounded) and publishes the layer refused.
     counts = {
-        "dropped": int(getattr(layer, "dropped", 0)),
+        "dropped": layer.dropped if isinstance(layer, LocalChannelLayer) else 0,
         "failed_publishes": publish.failed_publishes(),
     }
     try:

@@ -103,3 +103,27 @@ class _Broken:
 
     async def execute(self) -> None:
         raise ConnectionError("redis went away")
+
+
+@pytest.mark.django_db
+def test_the_health_page_reports_the_scaled_layer(redis_url: str, client) -> None:
+    # covers: F4 (the page's frame counts never touch the pub/sub layer's per-loop state)
+    from channels.layers import channel_layers
+    from django.test import override_settings
+
+    layers = {
+        "default": {
+            "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
+            "CONFIG": {"hosts": [redis_url], "prefix": f"hz{uuid.uuid4().hex[:8]}"},
+        }
+    }
+    with override_settings(CHANNEL_LAYERS=layers):
+        channel_layers.backends.clear()
+        try:
+            response = client.get("/healthz")
+        finally:
+            channel_layers.backends.clear()
+    assert response.status_code == 200
+    layer = response.json()["channel_layer"]
+    assert layer["ok"] and layer["backend"] == "RedisPubSubLayer"
+    assert layer["dropped"] == 0 and layer["failed_publishes"] >= 0

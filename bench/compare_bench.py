@@ -17,7 +17,7 @@ The model is `tests.fakemodel.FakeModelServer` in its own process. Figures per t
 - `--streams` streams at once (one client and one user each, all sending together) from a
   model that paces its deltas like a real one (`--pace` seconds per delta): delivered/offered
   (answer characters delivered per second / what the model offered: streams x answer length /
-  one answer's own duration), and TTFT p99.
+  one answer's own duration), TTFT p99, and the server's CPU per stream in that phase.
 Every answer is rebuilt from its snapshot tails and compared with the model's text; a mismatch
 is counted and printed, and the run exits non-zero (it is a failure, not noise).
 """
@@ -360,7 +360,9 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
     serial = asyncio.run(run_clients(target, 1, args.turns, "fast", model.text))
     cpu = (target.cpu_seconds() - cpu0) / args.turns
     added = [max(0.0, s.ttft - fast_first) * 1000 for s in serial]
+    cpu0 = target.cpu_seconds()
     burst = asyncio.run(run_clients(target, args.streams, 1, "paced", model.text))
+    burst_cpu = (target.cpu_seconds() - cpu0) / args.streams
     wall = max(s.done_at for s in burst) - min(s.sent_at for s in burst)
     offered = args.streams * len(model.text) / paced_total
     delivered = sum(s.chars for s in burst) / wall
@@ -370,6 +372,7 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
         "cpu_ms": cpu * 1000,
         "delivered": delivered / offered,
         "burst_p99": percentile([s.ttft * 1000 for s in burst], 99),
+        "burst_cpu_ms": burst_cpu * 1000,
         "mismatches": sum(not s.ok for s in serial + burst),
         "why": [s.why for s in serial + burst if not s.ok][:5],
     }
@@ -425,9 +428,10 @@ def main(args: argparse.Namespace) -> None:
     )
     print(
         "| target | added TTFT p50 / p99 (ms) | x floor | CPU/turn (ms) | x floor "
-        f"| {args.streams} streams delivered/offered | TTFT p99 (ms) | x floor | mismatches |"
+        f"| {args.streams} streams delivered/offered | TTFT p99 (ms) | x floor "
+        "| CPU/stream (ms) | x floor | mismatches |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in rows:
         print(
             f"| {name} | {row['ttft_p50']:.1f} / {row['ttft_p99']:.1f} "
@@ -435,7 +439,10 @@ def main(args: argparse.Namespace) -> None:
             f"{row['ttft_p99'] / max(floor['ttft_p99'], 0.01):.1f} "
             f"| {row['cpu_ms']:.1f} | {row['cpu_ms'] / max(floor['cpu_ms'], 0.01):.1f} "
             f"| {row['delivered']:.2f} | {row['burst_p99']:.0f} "
-            f"| {row['burst_p99'] / max(floor['burst_p99'], 0.01):.1f} | {row['mismatches']:.0f} |"
+            f"| {row['burst_p99'] / max(floor['burst_p99'], 0.01):.1f} "
+            f"| {row['burst_cpu_ms']:.1f} "
+            f"| {row['burst_cpu_ms'] / max(floor['burst_cpu_ms'], 0.01):.1f} "
+            f"| {row['mismatches']:.0f} |"
         )
     wrong = sum(int(row["mismatches"]) for _name, row in rows)
     if wrong:

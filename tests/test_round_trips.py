@@ -149,3 +149,42 @@ async def test_a_send_right_after_an_answer_starts_under_the_lingering_lease(
         if m.content
     ]
     assert contents == ["one", "first answer", "two", "second answer"]
+
+
+async def test_no_statement_runs_while_the_answer_streams(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6, C11, D1 (issue 10 item 2: 0 database round trips per token; the partial
+    # text reaches the database only through the once-a-second checkpoint, kept out here)
+    from chatcore.common import publish
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="per-token")
+    session = await make_dialog(user)
+    await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
+    rec = await recorder(publish.session_group(session.pk))
+    answer = "".join(f"w{i} " for i in range(200))
+    gate = threading.Event()
+    # 200 deltas, paced, then the stream holds (before its finish) until the test lets it go.
+    fake_model.script(Reply(text=answer, chunk=5, delay=0.002, gate=gate))
+    counter = TripCounter(monkeypatch)
+    ack = await send(engine, session, "stream it")
+    text = ""
+
+    def apply(frame: dict[str, Any]) -> bool:
+        nonlocal text
+        if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
+            text = text[: frame["text_offset"]] + frame["text"]
+        return len(text) > 0
+
+    try:
+        await rec.until(apply, timeout=15)
+        counter.counting.set()
+        await rec.until(lambda frame: apply(frame) and len(text) == len(answer), timeout=15)
+        _trips, statements = counter.snapshot()
+    finally:
+        counter.counting.clear()
+        gate.set()
+    await engine.wait_idle(session.pk)
+    assert text == answer
+    assert statements == [], "\n".join(statements)

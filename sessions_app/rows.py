@@ -11,8 +11,10 @@ primary keys (UUID or text), so nothing `save()` would do is missed."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connection, connections
@@ -35,6 +37,51 @@ _PLAIN: dict[str, type] = {
     "PositiveSmallIntegerField": int,
     "BooleanField": bool,
 }
+
+
+# The writes `merged` holds for one statement, per thread (each database thread its own).
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def merged() -> Iterator[None]:
+    """The `insert`s and `update`s made inside, as one statement at the end on PostgreSQL (the
+    first ones as data-modifying WITH clauses of the last): one round trip instead of one
+    each. Elsewhere (SQLite has no writes in WITH) each runs at once. For writes that nothing
+    inside reads back before the end: the sub-statements share one snapshot, and foreign keys
+    are checked at commit (Django makes them deferrable), so a message may name a turn
+    inserted beside it. On an error inside, nothing held is run."""
+    if connections[DEFAULT_DB_ALIAS].vendor != "postgresql" or _holding() is not None:
+        yield
+        return
+    _held.writes = []
+    try:
+        yield
+        writes: list[tuple[str, list[Any]]] = _held.writes
+    finally:
+        _held.writes = None
+    if not writes:
+        return
+    sql, params = writes[-1]
+    if len(writes) > 1:
+        heads = ", ".join(f"w{i} AS ({text})" for i, (text, _p) in enumerate(writes[:-1]))
+        sql = f"WITH {heads} {sql}"
+        params = [value for _text, values in writes for value in values]
+    with cursor() as c:
+        c.execute(sql, params)
+
+
+def _holding() -> list[tuple[str, list[Any]]] | None:
+    return getattr(_held, "writes", None)
+
+
+def _write(sql: str, params: list[Any]) -> None:
+    held = _holding()
+    if held is not None:
+        held.append((sql, params))
+        return
+    with cursor() as c:
+        c.execute(sql, params)
 
 
 def cursor() -> CursorWrapper:
@@ -112,8 +159,7 @@ def insert(objs: Sequence[Model]) -> None:
     conn = connections[DEFAULT_DB_ALIAS]
     fields = _fields(model)
     params = [_db_value(field, obj, True, conn) for obj in objs for field in fields]
-    with cursor() as c:
-        c.execute(_insert_sql(model, conn.vendor, len(objs)), params)
+    _write(_insert_sql(model, conn.vendor, len(objs)), params)
     for obj in objs:
         obj._state.adding = False
         obj._state.db = conn.alias
@@ -146,8 +192,7 @@ def update(obj: Model, names: Iterable[str]) -> None:
     conn = connections[DEFAULT_DB_ALIAS]
     params = [_db_value(f, obj, False, conn) for f in _named(model, names)]
     params.append(opts.pk.get_db_prep_value(obj.pk, conn))
-    with cursor() as c:
-        c.execute(_update_sql(model, conn.vendor, names), params)
+    _write(_update_sql(model, conn.vendor, names), params)
 
 
 # --- Reads ------------------------------------------------------------------------------------

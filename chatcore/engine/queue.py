@@ -267,7 +267,8 @@ def admit_and_start(
 
     The started path is six statements on SQLite: the locked row with the queue counts,
     the owner's slot, the turn inserted running, the user message, and one update of the
-    dialog's row (turn counter, lease, revision)."""
+    dialog's row (turn counter, lease, revision); on PostgreSQL the last three are one
+    statement (`rows.merged`), after the owner's row lock."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         confirmed = time.monotonic()
@@ -334,6 +335,36 @@ def _start_locked(
     limits.lock_owner(turn.owner_id)
     if not limits.turn_may_start(turn, cfg):
         return None
+    with rows.merged():
+        # G6: on PostgreSQL the turn, its user message and the row's update are one
+        # statement (`rows.merged`).
+        return _insert_started(
+            inbound,
+            live,
+            state,
+            turn,
+            owner=owner,
+            cfg=cfg,
+            confirmed=confirmed,
+            held=held,
+            now=now,
+        )
+
+
+def _insert_started(
+    inbound: Inbound,
+    live: Session,
+    state: QueueState,
+    turn: Turn,
+    *,
+    owner: str,
+    cfg: dict[str, Any],
+    confirmed: float,
+    held: Lease | None,
+    now: Any,
+) -> Started:
+    """The writes of a started turn, on the locked row: the turn, the lease (or `held`), its
+    user message with the row's update (`services.append_locked`)."""
     rows.insert([turn])
     live.turn_counter = turn.number
     also: tuple[str, ...] = ("turn_counter",)

@@ -30,6 +30,17 @@ def fake_telegram() -> Iterator[FakeTelegram]:
         server.stop()
 
 
+def checkpointed(var_dir: Path) -> str:
+    """The running turn's checkpointed partial text, in the server's own database."""
+    import sqlite3
+
+    with sqlite3.connect(var_dir / "chat.sqlite3", timeout=5) as db:
+        row = db.execute(
+            "SELECT partial_text FROM sessions_app_turn WHERE status = 'running'"
+        ).fetchone()
+    return str(row[0] or "") if row else ""
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -76,6 +87,9 @@ def test_an_answer_left_open_by_a_killed_process_is_closed_after_a_restart(
         )
         assert response.status_code == 200 and response.json()["result"] == "send"
         wait_until(lambda: answer() and answer().edits, 30, "the answer to stream")
+        # C11: what survives the kill is the turn's last checkpoint (once a second): wait
+        # until it holds the words the platform shows.
+        wait_until(lambda: checkpointed(tmp_path).startswith("partial words"), 30, "a checkpoint")
     finally:
         assert server.proc is not None
         server.proc.kill()  # no graceful shutdown: the answer stays open on the platform

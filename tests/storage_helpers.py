@@ -50,8 +50,16 @@ class FailStatements:
         self.remaining = failures
         self.attempts = 0
 
-    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    def matches(self, sql: str) -> bool:
         if self.table in sql and sql.lstrip().upper().startswith(self.verb):
+            return True
+        # A write merged with others into one statement (`rows.merged` on PostgreSQL:
+        # `WITH w0 AS (INSERT INTO ...) UPDATE ...`).
+        into = " INTO " if self.verb == "INSERT" else " "
+        return f"{self.verb}{into}{self.table}" in sql
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if self.matches(sql):
             self.attempts += 1
             if self.remaining > 0:
                 self.remaining -= 1

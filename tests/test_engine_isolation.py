@@ -43,7 +43,8 @@ async def test_another_dialogs_stop_and_send_are_answered_while_a_write_is_retri
 
     def fail_once(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         # The slow dialog's admission: its queue item's insert fails once (A4).
-        if sql.lstrip().upper().startswith("INSERT") and "sessions_app_turn" in sql:
+        # The turn's INSERT (on PostgreSQL merged with the admission's other writes).
+        if 'INSERT INTO "sessions_app_turn"' in sql:
             if _mentions(params, slow.pk):
                 order.append("slow dialog: write attempt")
                 if state["failures"]:

@@ -1,0 +1,1 @@
+"""The PostgreSQL database backend of scaled mode (`chatcore.postgresql.base`)."""

@@ -244,9 +244,8 @@ def start_platform(name: str, env: dict[str, str], tmp: Path, processes: int, us
     return target
 
 
-def scaled_env(
-    model: Model, tmp: Path, database_url: str, redis_url: str
-) -> tuple[dict[str, str], Any]:
+def throwaway_database(database_url: str) -> tuple[str, Any]:
+    """A new database on `database_url`'s server: (its URL, a function that drops it)."""
     import psycopg
 
     name = f"bench_{uuid.uuid4().hex[:8]}"
@@ -258,6 +257,13 @@ def scaled_env(
         with psycopg.connect(database_url, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
+    return url, drop
+
+
+def scaled_env(
+    model: Model, tmp: Path, database_url: str, redis_url: str
+) -> tuple[dict[str, str], Any]:
+    url, drop = throwaway_database(database_url)
     env = platform_env(model, tmp, DATABASE_URL=url, REDIS_URL=redis_url)
     return env, drop
 

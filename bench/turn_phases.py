@@ -36,7 +36,7 @@ class Trips:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counting = False
-        self.by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0])
+        self.by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
         self.local = threading.local()
 
     def install(self) -> None:
@@ -57,7 +57,7 @@ class Trips:
             while hasattr(inner, "func"):
                 inner = inner.func
             name = getattr(inner, "__qualname__", type(inner).__name__)
-            started = time.thread_time()
+            started, wall = time.thread_time(), time.perf_counter()
             trips.local.statements = 0
             try:
                 return real_call(fn, *args, **kwargs)
@@ -68,6 +68,7 @@ class Trips:
                         row[0] += 1
                         row[1] += time.thread_time() - started
                         row[2] += trips.local.statements
+                        row[3] += time.perf_counter() - wall
 
         setattr(CursorWrapper, "_execute", execute)  # noqa: B010
         dbthreads._call = call
@@ -133,15 +134,23 @@ async def main(args: argparse.Namespace, trips: Trips) -> None:
         f"CPU per turn: process {process_cpu / n * 1000:.2f} ms, loop {loop_cpu / n * 1000:.2f} ms"
     )
     print()
-    print("| database trip | calls/turn | thread CPU/turn (ms) | statements/turn |")
-    print("|---|---|---|---|")
-    total = 0.0
-    for name, (calls, cpu, statements) in sorted(trips.by_name.items(), key=lambda kv: -kv[1][1]):
+    print(
+        "| database trip | calls/turn | thread CPU/turn (ms) | wall/turn (ms) | statements/turn |"
+    )
+    print("|---|---|---|---|---|")
+    total = total_wall = 0.0
+    for name, (calls, cpu, statements, wall) in sorted(
+        trips.by_name.items(), key=lambda kv: -kv[1][3]
+    ):
         total += cpu
+        total_wall += wall
         if calls / n < 0.5:
             continue  # housekeeping that runs once a second, not per turn
-        print(f"| `{name}` | {calls / n:.2f} | {cpu / n * 1000:.2f} | {statements / n:.1f} |")
-    print(f"| all database threads | | {total / n * 1000:.2f} | |")
+        print(
+            f"| `{name}` | {calls / n:.2f} | {cpu / n * 1000:.2f} | {wall / n * 1000:.2f}"
+            f" | {statements / n:.1f} |"
+        )
+    print(f"| all database threads | | {total / n * 1000:.2f} | {total_wall / n * 1000:.2f} | |")
 
 
 if __name__ == "__main__":
@@ -151,13 +160,24 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--code-root", default=str(ROOT), help="the checkout to measure")
+    parser.add_argument(
+        "--database-url",
+        default="",
+        help="scaled mode: a PostgreSQL server to create a throwaway database on",
+    )
+    parser.add_argument("--redis-url", default="", help="scaled mode: the channel layer's Redis")
     ns = parser.parse_args()
     sys.path.insert(0, str(Path(ns.code_root).resolve()))
+    database_url, drop = "", None
+    if ns.database_url:
+        from bench.compare_bench import throwaway_database
+
+        database_url, drop = throwaway_database(ns.database_url)
     os.environ.update(
         {
             "CHAT_VAR_DIR": tempfile.mkdtemp(prefix="chat-phases-"),
-            "DATABASE_URL": "",
-            "REDIS_URL": "",
+            "DATABASE_URL": database_url,
+            "REDIS_URL": ns.redis_url,
             "LOG_LEVEL": "WARNING",
             "CHAT_RATE_LIMIT_PER_MINUTE": "1000000",
             "CHAT_WRITE_RATE_PER_MINUTE": "1000000",
@@ -169,4 +189,11 @@ if __name__ == "__main__":
     django.setup()
     found = Trips()
     found.install()
-    asyncio.run(main(ns, found))
+    try:
+        asyncio.run(main(ns, found))
+    finally:
+        if drop is not None:
+            from django.db import connections
+
+            connections.close_all()
+            drop()

@@ -16,7 +16,7 @@ import pytest
 from django.db import transaction
 from django.db.backends.utils import CursorWrapper
 
-from tests.engine_helpers import make_dialog, send
+from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.fakemodel import Reply
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
@@ -149,6 +149,54 @@ async def test_a_send_right_after_an_answer_starts_under_the_lingering_lease(
     assert len(statements) <= STATEMENTS_BEFORE_FIRST_TOKEN, "\n".join(statements)
     row = await Session.objects.aget(pk=session.pk)
     assert row.lease_epoch == epoch
+    contents = [
+        m.content
+        async for m in session.messages.order_by("seq").exclude(role="system")
+        if m.content
+    ]
+    assert contents == ["one", "first answer", "two", "second answer"]
+
+
+async def test_a_send_made_as_soon_as_the_answer_ends_is_handed_to_the_worker(
+    make_engine, fake_model, user, settings, monkeypatch, recorder
+):
+    # covers: G6, C3, C1 (a client that sends the moment it sees `turn_updated`, while the
+    # worker is still on its after-turn steps: no wait for a claim of its own)
+    from chatcore.engine import queue
+    from sessions_app.models import Session
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="handed")
+    session = await make_dialog(user)
+    handed: list[str] = []
+    claimed: list[str] = []
+    hand_off, claim_next = engine.workers.hand_off, queue.claim_next
+
+    async def spy_hand_off(started: Any) -> None:
+        handed.append(str(started.turn.pk))
+        await hand_off(started)
+
+    def spy_claim_next(*args: Any, **kwargs: Any) -> Any:
+        found = claim_next(*args, **kwargs)
+        if isinstance(found, queue.Started):
+            claimed.append(str(found.turn.pk))
+        return found
+
+    monkeypatch.setattr(engine.workers, "hand_off", spy_hand_off)
+    monkeypatch.setattr(queue, "claim_next", spy_claim_next)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="first answer"), Reply(text="second answer"))
+    first = await send(engine, session, "one")
+    epoch = (await Session.objects.aget(pk=session.pk)).lease_epoch
+    await rec.until(lambda f: f["type"] == "turn_updated" and f["turn_id"] == first.turn_id)
+    second = await send(engine, session, "two")
+    assert (await rec.terminal(second.turn_id))["status"] == "completed"
+    await engine.wait_idle(session.pk)
+    assert handed == [second.turn_id]
+    assert claimed == []
+    # Under the first turn's lease, at its epoch: no lease taken anew (G2).
+    assert second.position == 0
+    assert (await Session.objects.aget(pk=session.pk)).lease_epoch == epoch
     contents = [
         m.content
         async for m in session.messages.order_by("seq").exclude(role="system")

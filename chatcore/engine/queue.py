@@ -277,6 +277,10 @@ def admit_and_start(
             if inbound.accept is not None:
                 inbound.accept()
             idle_send = inbound.mode in ("send", "steer") and not state.busy
+            if held is not None and state.staged:
+                # The worker that holds the lease has not yet dealt with what its last turn
+                # left staged (`after_turn_staged`): the turn queues behind it, in order.
+                idle_send = False
             owner = held.owner if held is not None else start_as
             if owner is not None and idle_send:
                 started = _start_locked(
@@ -639,6 +643,11 @@ def after_turn_staged(
     steers after a completed turn become sends (C4: when idle, steer is a send); after a
     failure steers stay staged for the next send or retry; a stop dropped them."""
     if not lease.STAGED_INPUTS.of(turn.session_id):
+        return
+    if lease.RUNNING_TURNS.of(turn.session_id):
+        # The next turn already runs (a send that came as this one ended, started under
+        # the same lease: `admit_and_start`, which starts no turn while inputs are staged):
+        # what is staged now was staged for it, and it takes it at its first boundary.
         return
     staged = list(
         StagedInput.objects.filter(

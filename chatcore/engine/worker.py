@@ -178,11 +178,11 @@ class Workers:
             await on_db(queue.release_lease)(started.lease)
 
     def lingering_lease(self, session_pk: str) -> Lease | None:
-        """The lease of this process's worker of the dialog while it is between turns (after
-        its last turn: claiming the next, lingering, releasing), for a send to start its
-        turn under (`queue.admit_and_start`). The admitting transaction checks that the row
-        still shows it, and a release never frees it under such a turn
-        (`lease.release_if_idle`)."""
+        """The lease of this process's worker of the dialog while it is between turns (from
+        the commit of its last turn: its after-turn steps, claiming the next, lingering,
+        releasing), for a send to start its turn under (`queue.admit_and_start`). The
+        admitting transaction checks that the row still shows it (and that nothing is
+        staged), and a release never frees it under such a turn (`lease.release_if_idle`)."""
         if session_pk in self._between and self.running(session_pk):
             return self._leases.get(session_pk)
         return None
@@ -571,6 +571,12 @@ class Workers:
                     "message": present_failure(FailureKind.TURN_PERSISTENCE),
                 },
             )
+        # The turn has ended in the database: from here a send to the dialog starts its turn
+        # under this worker's lease in its admitting transaction and is handed to this worker
+        # (`lingering_lease`), which runs it when this one's after-turn steps are done; a
+        # client that sends as soon as it sees `turn_updated` never waits for a claim of its
+        # own (G6).
+        self._between.add(session.pk)
         if isinstance(outcome, Failed):
             logger.warning(
                 "turn failed: %s (%s)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -224,6 +225,66 @@ def memory_notes_recent(*, owner_id: int, limit: int = 20) -> list[str]:
     with sql_cursor() as cursor:
         cursor.execute(sql, [owner_id, limit])
         return [row[0] for row in reversed(cursor.fetchall())]
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What a turn's model input is read from, besides the messages (`turn_context`)."""
+
+    compaction: Compaction | None  # the newest (B5)
+    window_start: int  # `messages_window_start` after the compaction's end
+    notes: list[str]  # `memory_notes_recent`, oldest first
+
+
+def turn_context(
+    *, session_pk: str, owner_id: int, max_chars: int, notes_limit: int = 20
+) -> TurnContext:
+    """`compaction_latest`, `messages_window_start` past that compaction's end and
+    `memory_notes_recent`, in one statement: one round trip before every turn's first token
+    instead of a read transaction of three (G6), and as a single statement it sees one state
+    of the database without a transaction. The parts are told apart by the first column; all
+    of them use the compaction's columns (the window's boundary in `through_seq`, a note in
+    `summary` and `created_at`), so every column has the compaction's type."""
+    compactions, messages = Compaction._meta.db_table, Message._meta.db_table
+    notes = MemoryNote._meta.db_table
+    names = [f.column for f in Compaction._meta.concrete_fields]
+
+    def filled(**values: str) -> str:
+        return ", ".join(values.get(name, "NULL") for name in names)
+
+    sql = (
+        f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
+        f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
+        ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
+        f' UNION ALL SELECT 1, {filled(through_seq="v.seq")} FROM (SELECT w."seq" FROM'
+        ' (SELECT m."seq" AS "seq", SUM(LENGTH(m."content")) OVER (ORDER BY m."seq" DESC)'
+        f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
+        f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
+        ' WHERE k."session_id" = %s), 0)) w'
+        ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1) v'
+        f" UNION ALL SELECT 2, {filled(summary='n.content', created_at='n.created_at')} FROM"
+        f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
+        ' ORDER BY n."created_at" DESC LIMIT %s) n'
+    )
+    seq_at, summary_at, created_at = (
+        1 + names.index(name) for name in ("through_seq", "summary", "created_at")
+    )
+    compaction, boundary, newest_first = None, None, []
+    with sql_cursor() as cursor:
+        cursor.execute(sql, [session_pk, session_pk, session_pk, max_chars, owner_id, notes_limit])
+        for row in cursor.fetchall():
+            part = int(row[0])
+            if part == 0:
+                compaction = from_row(Compaction, row[1:])
+            elif part == 1:
+                boundary = int(row[seq_at])
+            else:
+                # Their stored times order them (one database's values, compared as read).
+                newest_first.append((row[created_at], row[summary_at]))
+    after_seq = compaction.through_seq if compaction is not None else 0
+    window = after_seq if boundary is None else max(after_seq, boundary - 1)
+    newest_first.sort(key=lambda note: note[0], reverse=True)
+    return TurnContext(compaction, window, [content for _at, content in reversed(newest_first)])
 
 
 def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:

@@ -359,6 +359,70 @@ def test_seqs_are_unique_per_session_not_global(user: Any) -> None:
 # --- F7: the context's read window ----------------------------------------------------------
 
 
+def test_a_turns_context_is_one_statement_that_agrees_with_the_separate_reads(
+    user, django_user_model
+):
+    # covers: G6, B5, C8, F7 (compaction, window and memory notes before every first token)
+    from datetime import timedelta
+
+    from django.db.backends.utils import CursorWrapper
+    from django.utils import timezone
+
+    from sessions_app import selectors
+    from sessions_app.models import Compaction, MemoryNote
+
+    session = create(user)
+    other = django_user_model.objects.create_user("someone-else")
+
+    def both() -> tuple[Any, Any]:
+        compaction = selectors.compaction_latest(session_pk=session.pk)
+        through = compaction.through_seq if compaction else 0
+        separate = (
+            compaction,
+            selectors.messages_window_start(session_pk=session.pk, after_seq=through, max_chars=25),
+            selectors.memory_notes_recent(owner_id=user.pk, limit=3),
+        )
+        statements = []
+        real = CursorWrapper._execute
+
+        def count(self: Any, sql: str, *args: Any) -> Any:
+            statements.append(sql)
+            return real(self, sql, *args)
+
+        CursorWrapper._execute = count  # type: ignore[method-assign]
+        try:
+            found = selectors.turn_context(
+                session_pk=session.pk, owner_id=user.pk, max_chars=25, notes_limit=3
+            )
+        finally:
+            CursorWrapper._execute = real  # type: ignore[method-assign]
+        assert len(statements) == 1
+        return separate, (found.compaction, found.window_start, found.notes)
+
+    # A new dialog: no compaction, no notes, everything in the window.
+    separate, combined = both()
+    assert combined == separate == (None, 0, [])
+
+    services.messages_append(session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(6)])
+    seqs = stored_seqs(session)[-6:]
+    now = timezone.now()
+    for i, content in enumerate(["first", "second", "third", "fourth"]):
+        MemoryNote.objects.create(owner=user, content=content, created_at=now + timedelta(i))
+    MemoryNote.objects.create(owner=other, content="not theirs", created_at=now + timedelta(9))
+    separate, combined = both()
+    assert combined == separate
+    # 25 characters: the two newest fit, the third crosses; the three newest notes, in order.
+    assert combined[1:] == (seqs[3] - 1, ["second", "third", "fourth"])
+
+    # The newest compaction counts, and the window never starts before its end.
+    Compaction.objects.create(session=session, through_seq=seqs[1], summary="old", created_at=now)
+    Compaction.objects.create(session=session, through_seq=seqs[4], summary="new", created_at=now)
+    separate, combined = both()
+    assert combined == separate
+    assert combined[0] is not None and combined[0].summary == "new"
+    assert combined[1] == seqs[4]
+
+
 def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_limit(user):
     # covers: F7, C7
     from sessions_app import selectors

@@ -198,8 +198,8 @@ class TurnInputBuilder:
         budget = int(self.context_window * ratio)
 
         def build() -> PreparedInput:
-            # G6: the whole context (dialog row with its plan, compaction, history window,
-            # memory notes) in one read transaction; F7: then the conversion, counting and
+            # G6: the context (compaction, history window, memory notes) in one statement,
+            # beside the dialog row the claim read; F7: then the conversion, counting and
             # trimming, which grow with the dialog: all in one trip to a database thread.
             row, history, compaction, skipped, notes = self._load_context(session_pk, session)
             prepared = self.assemble(
@@ -239,28 +239,29 @@ class TurnInputBuilder:
     def _load_context(
         self, session_pk: str, session: Session | None = None
     ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
-        """Runs on a database thread (`on_db`), beside other dialogs' calls (F7), in one read
-        transaction."""
-        with selectors.read_transaction():
-            if session is None:
-                session = Session.objects.get(pk=session_pk)
-            compaction = selectors.compaction_latest(session_pk=session_pk)
-            through = compaction.through_seq if compaction else 0
-            # F7: read only the newest messages that could fit the model's window at all;
-            # a dialog longer than that costs one summing query, not one row per message.
-            window = selectors.messages_window_start(
-                session_pk=session_pk,
-                after_seq=through,
-                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+        """Runs on a database thread (`on_db`), beside other dialogs' calls (F7). The dialog
+        row as the claim locked it, and the rest (compaction, history window, memory notes)
+        in one statement (`selectors.turn_context`, G6); the messages only where this
+        process's history is behind. Messages are never rewritten (B5) and only the lease
+        holder appends them, so a later read of them agrees with that statement."""
+        if session is None:
+            with selectors.read_transaction():
+                return self._load_context(session_pk, Session.objects.get(pk=session_pk))
+        found = selectors.turn_context(
+            session_pk=session_pk,
+            owner_id=session.owner_id,
+            max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+        )
+        # F7: only the newest messages that could fit the model's window at all are read;
+        # a dialog longer than that costs one running sum, not one row per message.
+        through = found.compaction.through_seq if found.compaction else 0
+        skipped = 0
+        if found.window_start > through:
+            skipped = selectors.messages_count_between(
+                session_pk=session_pk, after_seq=through, through_seq=found.window_start
             )
-            skipped = 0
-            if window > through:
-                skipped = selectors.messages_count_between(
-                    session_pk=session_pk, after_seq=through, through_seq=window
-                )
-            notes = selectors.memory_notes_recent(owner_id=session.owner_id)
-            history = self.states.history(session, after_seq=window)
-        return session, history, compaction, skipped, notes
+        history = self.states.history(session, after_seq=found.window_start)
+        return session, history, found.compaction, skipped, found.notes
 
     def assemble(
         self,

@@ -247,7 +247,7 @@ def turn_context(
     `summary` and `created_at`), so every column has the compaction's type."""
     compactions, messages = Compaction._meta.db_table, Message._meta.db_table
     notes = MemoryNote._meta.db_table
-    names = [f.column for f in Compaction._meta.concrete_fields]
+    names = [str(f.column) for f in Compaction._meta.concrete_fields]
 
     def filled(**values: str) -> str:
         return ", ".join(values.get(name, "NULL") for name in names)

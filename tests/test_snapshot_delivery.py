@@ -149,3 +149,50 @@ async def test_the_first_snapshot_of_a_burst_is_its_first_delta(
         assert frame["text_offset"] <= len(text)
         text = text[: frame["text_offset"]] + frame["text"]
     assert text == answer
+
+
+# How much of the answer the turn had when its first frame was taken by the layer.
+parsed_at_first_frame: list[int] = []
+
+
+class TakesAWhileLayer(InMemoryChannelLayer):
+    """A layer that takes its time with each publish, as Redis takes a round trip; the first
+    snapshot's publish notes how much of the answer the running turn had parsed by then."""
+
+    engine: Any = None
+
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        frame = message.get("frame", {})
+        await asyncio.sleep(0.02)
+        if frame.get("type") == "turn_snapshot" and frame.get("frame") == 1:
+            local = TakesAWhileLayer.engine.local.get(frame["turn_id"])
+            parsed_at_first_frame.append(len(local.snapshot.text))
+        await super().group_send(group, message)
+
+
+async def test_the_rest_of_a_burst_waits_until_the_layer_took_the_first_frame(
+    make_engine, fake_model, recorder, user
+):
+    # covers: D1 (on a layer with a round trip, such as Redis, the first token is not held
+    # back by the parsing of an answer that arrived whole)
+    parsed_at_first_frame.clear()
+    with override_settings(CHANNEL_LAYERS={"default": {"BACKEND": f"{__name__}.TakesAWhileLayer"}}):
+        engine = TakesAWhileLayer.engine = await make_engine()
+        session = await make_dialog(user)
+        rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+        answer = "".join(f"w{i} " for i in range(400))
+        fake_model.script(Reply(text=answer, chunk=4))
+        ack = await send(engine, session, "question")
+        text = ""
+
+        def apply(frame: dict[str, Any]) -> bool:
+            nonlocal text
+            if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
+                text = text[: frame["text_offset"]] + frame["text"]
+            return frame["type"] == "turn_updated" and frame["turn_id"] == ack.turn_id
+
+        frames = await rec.until(apply, timeout=20)
+    assert frames[-1]["status"] == "completed"
+    assert text == answer
+    # While the first frame was on its way, the rest of the answer waited unparsed.
+    assert parsed_at_first_frame == [4]

@@ -80,14 +80,17 @@ async def publish_snapshots(
     external sink gets the text through its own task (`DeliveryHandle.push`, D4)."""
     interval = 1.0 / max(1, fps)
     snap = local.snapshot
+    first_sent = snap.first_sent = asyncio.Event()
     while not local.ended:
         await snap.changed.wait()
         snap.changed.clear()
         if local.ended:
             return
         if snap.version == local.published_version or not local.may_speak:
+            first_sent.set()  # nothing goes out now: the runner does not wait for it
             continue
         await send_snapshot(local)
+        first_sent.set()
         if local.delivery is not None:
             local.delivery.push(snap.text, spawn=spawn)
         if local.ended:

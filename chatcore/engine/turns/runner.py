@@ -8,6 +8,7 @@ it (C6) the committed-so-far messages and the partial text are still at hand.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,9 @@ class TurnSnapshot:
     tools: list[ToolProgress] = field(default_factory=list)
     version: int = 0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once the turn's first frame is on its way (the channel layer took it), by a
+    # publisher that sets this up (`snapshots.publish_snapshots`); None: nobody publishes.
+    first_sent: asyncio.Event | None = None
     # The answer as pieces, joined only when read (at most a few times a second): appending
     # to one growing string would copy the whole answer at every token (STYLE 18).
     _pieces: list[str] = field(default_factory=list)
@@ -95,6 +99,11 @@ DELTAS_PER_YIELD = 32
 # the publisher through the channel layer and the consumer to the socket before the rest of a
 # burst is parsed (the first token is not held back by the answer's length).
 FIRST_DELTA_YIELDS = 5
+# After the turn's first delta, the rest of a burst waits (at most this long) until the
+# channel layer took the first frame: on Redis that takes a round trip, which a few turns of
+# the loop do not cover, and the first token would otherwise wait for the whole answer to be
+# parsed (`TurnSnapshot.first_sent`).
+FIRST_FRAME_WAIT_SECONDS = 0.05
 
 
 class TurnRunner:
@@ -294,6 +303,10 @@ class TurnRunner:
                 self._step.append(event.text)
                 self.snapshot.append_text(event.text)
                 if until_yield == 0:
+                    sent = self.snapshot.first_sent
+                    if first and sent is not None and not sent.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(sent.wait(), FIRST_FRAME_WAIT_SECONDS)
                     for _ in range(FIRST_DELTA_YIELDS if first else 1):
                         await asyncio.sleep(0)
                     first = False

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -64,6 +65,8 @@ def lock_live(session_pk: str) -> Session:
 _TURNS = Turn._meta.db_table
 _STAGED = StagedInput._meta.db_table
 _SESSIONS = Session._meta.db_table
+_USERS = User._meta.db_table
+_USER_PK = User._meta.pk.column
 
 
 @dataclass
@@ -80,11 +83,17 @@ class QueueState:
         return bool(self.queued or self.running)
 
 
-def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
-    """`lock_live`, with the dialog's queue counts in the same statement (G6: admission
-    costs one read, whatever it finds). It runs for every send, so it is written in SQL:
-    our own tables, values as parameters; FOR UPDATE where the database has it (SQLite's
-    write transaction already serialises)."""
+def lock_for_admission(session_pk: str, owner_id: int) -> tuple[Session, QueueState]:
+    """`lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
+    finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
+    values as parameters.
+
+    SQLite's write transaction already serialises, so the row and its counts are one
+    statement. On PostgreSQL the row lock comes first, in a statement of its own that also
+    locks the sender's row (`limits.lock_owner`, for F7's slot, in the same round trip): a
+    statement's subqueries see the tables as of its start, so counts read in the statement
+    that waited for the lock would miss what the transaction holding it committed (a turn
+    another send just started, C1); read after the lock, they see it."""
     counts = (
         f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
         ' AND t."status" = %s) AS "q_queued",'
@@ -94,22 +103,33 @@ def lock_for_admission(session_pk: str) -> tuple[Session, QueueState]:
         ' AND i."status" = %s) AS "q_staged",'
         f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."status" = %s) AS "q_all"'
     )
-    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
-    sql = (
-        f'SELECT {rows.columns(Session, "s")}, {counts} FROM "{_SESSIONS}" s'  # noqa: S608
-        f' WHERE s."id" = %s AND s."deleted_at" IS NULL{lock}'
-    )
-    params = [
+    count_params = [
         TurnStatus.QUEUED,
         TurnStatus.RUNNING,
         StagedInput.Status.STAGED,
         TurnStatus.QUEUED,
-        session_pk,
     ]
+    live = f'"{_SESSIONS}" s WHERE s."id" = %s AND s."deleted_at" IS NULL'
     with rows.cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-    if row is None:
+        if connection.features.has_select_for_update:
+            # Both rows, the dialog's first (the order every claim takes them in).
+            cursor.execute(
+                f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u, {live}'  # noqa: S608
+                f' AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
+                [session_pk, owner_id],
+            )
+            found = cursor.fetchone()
+            if found is not None:
+                sql = f"SELECT {counts} FROM {live}"  # noqa: S608 (our own tables)
+                cursor.execute(sql, [*count_params, session_pk])
+                row = (*found, *cursor.fetchone())
+        else:
+            cursor.execute(
+                f"SELECT {rows.columns(Session, 's')}, {counts} FROM {live}",  # noqa: S608
+                [*count_params, session_pk],
+            )
+            found = row = cursor.fetchone()
+    if found is None:
         raise NotFound(_("Dialog not found."))
     queued, running, staged, queued_everywhere = row[-4:]
     state = QueueState(
@@ -273,7 +293,7 @@ def admit_and_start(
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         confirmed = time.monotonic()
         with transaction.atomic():
-            live, state = lock_for_admission(session.pk)
+            live, state = lock_for_admission(session.pk, inbound.owner.pk)
             if inbound.accept is not None:
                 inbound.accept()
             idle_send = inbound.mode in ("send", "steer") and not state.busy
@@ -336,7 +356,7 @@ def _start_locked(
         status=TurnStatus.RUNNING,
         started_at=now,
     )
-    limits.lock_owner(turn.owner_id)
+    # The sender's row is locked already, with the dialog's (`lock_for_admission`).
     if not limits.turn_may_start(turn, cfg):
         return None
     with rows.merged():

@@ -182,69 +182,33 @@ def messages_from(
     return _within_bytes(rows, limit, max_bytes)
 
 
-def messages_window_start(*, session_pk: str, after_seq: int, max_chars: int) -> int:
-    """The seq after which the newest messages (past `after_seq`) hold at most about
-    `max_chars` characters: the boundary message is included, older ones are not. One query,
-    a running sum in the database (no rows are loaded), so a model input is read from a
-    window bounded by the model's context rather than by the dialog's length (F7). It runs
-    before every turn's first token, so it is written in SQL (compiling the ORM's window
-    expression cost more than the query)."""
-    table = Message._meta.db_table
-    sql = (
-        'SELECT w."seq" FROM (SELECT m."seq" AS "seq",'  # noqa: S608 (our own table name)
-        ' SUM(LENGTH(m."content")) OVER (ORDER BY m."seq" DESC) AS "running"'
-        f' FROM "{table}" m WHERE m."session_id" = %s AND m."seq" > %s) w'
-        ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1'
-    )
-    with sql_cursor() as cursor:
-        cursor.execute(sql, [session_pk, after_seq, max_chars])
-        row = cursor.fetchone()
-    return after_seq if row is None else max(after_seq, int(row[0]) - 1)
-
-
-def compaction_latest(*, session_pk: str) -> Compaction | None:
-    """The dialog's newest compaction (B5), read before every turn (in SQL, one statement)."""
-    table = Compaction._meta.db_table
-    sql = (
-        f'SELECT {row_columns(Compaction, "c")} FROM "{table}" c'  # noqa: S608
-        ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1'
-    )
-    with sql_cursor() as cursor:
-        cursor.execute(sql, [session_pk])
-        row = cursor.fetchone()
-    return None if row is None else from_row(Compaction, row)
-
-
-def memory_notes_recent(*, owner_id: int, limit: int = 20) -> list[str]:
-    """The owner's newest memory notes, oldest first, read before every turn (in SQL)."""
-    table = MemoryNote._meta.db_table
-    sql = (
-        f'SELECT n."content" FROM "{table}" n WHERE n."owner_id" = %s'  # noqa: S608
-        ' ORDER BY n."created_at" DESC LIMIT %s'
-    )
-    with sql_cursor() as cursor:
-        cursor.execute(sql, [owner_id, limit])
-        return [row[0] for row in reversed(cursor.fetchall())]
-
-
 @dataclass(frozen=True)
 class TurnContext:
     """What a turn's model input is read from, besides the messages (`turn_context`)."""
 
     compaction: Compaction | None  # the newest (B5)
-    window_start: int  # `messages_window_start` after the compaction's end
-    notes: list[str]  # `memory_notes_recent`, oldest first
+    window_start: int  # the seq the history window starts after (F7)
+    notes: list[str]  # the newest memory notes, oldest first (C8)
 
 
 def turn_context(
     *, session_pk: str, owner_id: int, max_chars: int, notes_limit: int = 20
 ) -> TurnContext:
-    """`compaction_latest`, `messages_window_start` past that compaction's end and
-    `memory_notes_recent`, in one statement: one round trip before every turn's first token
-    instead of a read transaction of three (G6), and as a single statement it sees one state
-    of the database without a transaction. The parts are told apart by the first column; all
-    of them use the compaction's columns (the window's boundary in `through_seq`, a note in
-    `summary` and `created_at`), so every column has the compaction's type."""
+    """What a turn's model input is read from besides its messages, in one statement (G6: one
+    round trip before every first token; a single statement sees one state of the database
+    without a transaction):
+
+    - the dialog's newest compaction (B5);
+    - the window: the seq after which the newest messages past that compaction's end hold at
+      most about `max_chars` characters (the message that crosses the limit is included,
+      older ones are not), a running sum in the database, so a model input is read from a
+      window bounded by the model's context rather than by the dialog's length (F7);
+    - the owner's `notes_limit` newest memory notes, oldest first (C8).
+
+    The parts are told apart by the first column; all of them use the compaction's columns
+    (the window's boundary in `through_seq`, a note in `summary` and `created_at`), so every
+    column has the compaction's type. Written in SQL: it runs before every turn's first
+    token (compiling the ORM's window expression cost more than the query)."""
     compactions, messages = Compaction._meta.db_table, Message._meta.db_table
     notes = MemoryNote._meta.db_table
     names = [str(f.column) for f in Compaction._meta.concrete_fields]

@@ -26,7 +26,7 @@ from chatcore.engine.sessions import SessionStates
 from chatcore.engine.tokens import TokenCache, TokenCounter, counter_for_model, heuristic_count
 from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
 from sessions_app import services
-from sessions_app.models import Message, MessageKind, Session, Turn, TurnStatus
+from sessions_app.models import Compaction, Message, MessageKind, Session, Turn, TurnStatus
 from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.fakemodel import Reply, strip_runtime
 from tests.ws_helpers import WS, bearer, open_ws
@@ -147,15 +147,18 @@ def test_a_long_dialog_is_read_through_a_window_bounded_by_the_model(user: Any) 
         owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="window"
     )
     last = fill_history(session, 10, size=96)  # ~100 characters each
+
+    def window(max_chars: int) -> int:
+        return selectors.turn_context(
+            session_pk=session.pk, owner_id=user.pk, max_chars=max_chars
+        ).window_start
+
     # The newest two hold 213 characters, the newest three 319.
-    start = selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=250)
-    assert start == last - 3  # the newest three: two within the bound, the boundary one
-    assert selectors.messages_window_start(session_pk=session.pk, after_seq=0, max_chars=10**9) == 0
+    assert window(250) == last - 3  # the newest three: two within the bound, the boundary one
+    assert window(10**9) == 0
     # After a compaction the window never reaches back before it.
-    assert (
-        selectors.messages_window_start(session_pk=session.pk, after_seq=last - 1, max_chars=1)
-        == last - 1
-    )
+    Compaction.objects.create(session=session, through_seq=last - 1, summary="compacted")
+    assert window(1) == last - 1
 
 
 async def test_the_builder_reads_only_the_window_and_counts_the_rest_as_dropped(

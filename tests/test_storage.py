@@ -359,9 +359,7 @@ def test_seqs_are_unique_per_session_not_global(user: Any) -> None:
 # --- F7: the context's read window ----------------------------------------------------------
 
 
-def test_a_turns_context_is_one_statement_that_agrees_with_the_separate_reads(
-    user, django_user_model
-):
+def test_a_turns_context_is_one_statement(user, django_user_model):
     # covers: G6, B5, C8, F7 (compaction, window and memory notes before every first token)
     from datetime import timedelta
 
@@ -374,14 +372,7 @@ def test_a_turns_context_is_one_statement_that_agrees_with_the_separate_reads(
     session = create(user)
     other = django_user_model.objects.create_user("someone-else")
 
-    def both() -> tuple[Any, Any]:
-        compaction = selectors.compaction_latest(session_pk=session.pk)
-        through = compaction.through_seq if compaction else 0
-        separate = (
-            compaction,
-            selectors.messages_window_start(session_pk=session.pk, after_seq=through, max_chars=25),
-            selectors.memory_notes_recent(owner_id=user.pk, limit=3),
-        )
+    def read() -> tuple[Any, int, list[str]]:
         statements = []
         real = CursorWrapper._execute
 
@@ -397,11 +388,10 @@ def test_a_turns_context_is_one_statement_that_agrees_with_the_separate_reads(
         finally:
             CursorWrapper._execute = real  # type: ignore[method-assign]
         assert len(statements) == 1
-        return separate, (found.compaction, found.window_start, found.notes)
+        return found.compaction, found.window_start, found.notes
 
     # A new dialog: no compaction, no notes, everything in the window.
-    separate, combined = both()
-    assert combined == separate == (None, 0, [])
+    assert read() == (None, 0, [])
 
     services.messages_append(session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(6)])
     seqs = stored_seqs(session)[-6:]
@@ -409,41 +399,45 @@ def test_a_turns_context_is_one_statement_that_agrees_with_the_separate_reads(
     for i, content in enumerate(["first", "second", "third", "fourth"]):
         MemoryNote.objects.create(owner=user, content=content, created_at=now + timedelta(i))
     MemoryNote.objects.create(owner=other, content="not theirs", created_at=now + timedelta(9))
-    separate, combined = both()
-    assert combined == separate
     # 25 characters: the two newest fit, the third crosses; the three newest notes, in order.
-    assert combined[1:] == (seqs[3] - 1, ["second", "third", "fourth"])
+    assert read() == (None, seqs[3] - 1, ["second", "third", "fourth"])
 
     # The newest compaction counts, and the window never starts before its end.
     Compaction.objects.create(session=session, through_seq=seqs[1], summary="old", created_at=now)
     Compaction.objects.create(session=session, through_seq=seqs[4], summary="new", created_at=now)
-    separate, combined = both()
-    assert combined == separate
-    assert combined[0] is not None and combined[0].summary == "new"
-    assert combined[1] == seqs[4]
+    compaction, window, notes = read()
+    assert compaction is not None and compaction.summary == "new"
+    assert (window, notes) == (seqs[4], ["second", "third", "fourth"])
 
 
 def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_limit(user):
     # covers: F7, C7
     from sessions_app import selectors
+    from sessions_app.models import Compaction
 
     session = create(user)
     start = fresh(session).last_seq
+    # What came before is compacted: the window starts after it.
+    Compaction.objects.create(session=session, through_seq=start, summary="before")
     services.messages_append(session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(5)])
     seqs = stored_seqs(session)[-5:]
-    window = selectors.messages_window_start
+
+    def window(dialog: Session, max_chars: int) -> int:
+        found = selectors.turn_context(session_pk=dialog.pk, owner_id=user.pk, max_chars=max_chars)
+        return found.window_start
 
     # Everything fits: nothing is left out.
-    assert window(session_pk=session.pk, after_seq=start, max_chars=50) == start
+    assert window(session, 50) == start
     # 25 characters: the two newest fit, the third crosses the limit and is still read.
-    assert window(session_pk=session.pk, after_seq=start, max_chars=25) == seqs[2] - 1
+    assert window(session, 25) == seqs[2] - 1
     # 20 characters fill exactly with the two newest; the third still crosses, and is read.
-    assert window(session_pk=session.pk, after_seq=start, max_chars=20) == seqs[2] - 1
-    # Never before the compaction point it was given.
-    assert window(session_pk=session.pk, after_seq=seqs[3], max_chars=5) == seqs[3]
+    assert window(session, 20) == seqs[2] - 1
+    # Never before the newest compaction's end.
+    Compaction.objects.create(session=session, through_seq=seqs[3], summary="later")
+    assert window(session, 5) == seqs[3]
     # Another dialog's messages do not count.
     other = create(user, dialog_id="other")
-    assert window(session_pk=other.pk, after_seq=0, max_chars=5) == 0
+    assert window(other, 5) == 0
 
 
 # --- G6: the turn's writes without query compilation store what the ORM stores ------------
@@ -506,7 +500,7 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     from django.db import transaction
 
     from sessions_app.models import Compaction
-    from sessions_app.selectors import compaction_latest
+    from sessions_app.selectors import turn_context
 
     Session.objects.filter(pk=session.pk).update(
         plan="step one", lease_owner="p1", lease_expires_at=when, lease_epoch=4
@@ -518,7 +512,7 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     for field in Session._meta.concrete_fields:
         assert getattr(locked, field.attname) == getattr(orm_session, field.attname), field.name
     Compaction.objects.create(session=session, through_seq=2, summary="caf\u00e9", created_at=when)
-    read = compaction_latest(session_pk=session.pk)
+    read = turn_context(session_pk=session.pk, owner_id=user.pk, max_chars=10).compaction
     orm_compaction = Compaction.objects.get(session=session)
     assert read is not None
     for field in Compaction._meta.concrete_fields:

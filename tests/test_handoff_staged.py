@@ -30,6 +30,18 @@ def _inbound(user: Any, session: Any, content: str) -> Inbound:
     )
 
 
+def _admit_under(held: Any, user: Any, session: Any) -> tuple[Any, Any]:
+    """A send admitted while this process's worker holds the dialog's lease."""
+    return queue.admit_and_start(
+        _inbound(user, session, "next"),
+        session,
+        cfg=settings.CHAT,
+        states=SessionStates(),
+        start_as=None,
+        held=held,
+    )
+
+
 def _staged(session: Any, content: str) -> StagedInput:
     return StagedInput.objects.create(session=session, mode=StagedInput.Mode.STEER, content=content)
 
@@ -40,14 +52,7 @@ def test_a_send_under_the_workers_lease_queues_while_inputs_are_staged(user: Any
     held = queue.acquire_lease(session.pk, owner="worker", cfg=settings.CHAT)
     assert held is not None
     _staged(session, "left by the last turn")
-    ack, started = queue.admit_and_start(
-        _inbound(user, session, "next"),
-        session,
-        cfg=settings.CHAT,
-        states=SessionStates(),
-        start_as=None,
-        held=held,
-    )
+    ack, started = _admit_under(held, user, session)
     assert started is None and ack.turn_id is not None
     assert Turn.objects.get(pk=ack.turn_id).status == TurnStatus.QUEUED
 
@@ -58,14 +63,7 @@ def test_a_send_under_the_workers_lease_queues_while_inputs_are_staged(user: Any
     )
     held_other = queue.acquire_lease(other.pk, owner="worker", cfg=settings.CHAT)
     assert held_other is not None
-    _ack, started = queue.admit_and_start(
-        _inbound(user, other, "next"),
-        other,
-        cfg=settings.CHAT,
-        states=SessionStates(),
-        start_as=None,
-        held=held_other,
-    )
+    _ack, started = _admit_under(held_other, user, other)
     assert started is not None and started.lease is held_other
     assert started.turn.status == TurnStatus.RUNNING
 

@@ -454,16 +454,18 @@ class StaleSession(Exception):
     """The dialog changed or was deleted under a conditional write (C9)."""
 
 
-def announce_appended(appended: Appended, turn: Turn | None) -> None:
-    publish.publish_to_chat(
-        appended.session,
-        events.history_delta_frame(
-            session_id=appended.session.session_id,
-            turn_id=str(turn.pk) if turn else None,
-            base_revision=appended.base_revision,
-            messages=appended.messages,
-        ),
+def appended_frame(appended: Appended, turn: Turn | None) -> dict[str, Any]:
+    """The `history_delta` frame of an append (D2)."""
+    return events.history_delta_frame(
+        session_id=appended.session.session_id,
+        turn_id=str(turn.pk) if turn else None,
+        base_revision=appended.base_revision,
+        messages=appended.messages,
     )
+
+
+def announce_appended(appended: Appended, turn: Turn | None) -> None:
+    publish.publish_to_chat(appended.session, appended_frame(appended, turn))
 
 
 def messages_clear(*, session: Session) -> int:

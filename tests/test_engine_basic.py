@@ -31,3 +31,49 @@ async def test_one_send_one_turn_with_frames_in_order(make_engine, fake_model, r
     assert [m.role for m in rows] == ["system", "user", "assistant"]
     assert (await turn(ack.turn_id)).status == "completed"
     assert user_texts(fake_model.turn_requests()[0]) == ["hi"]
+
+
+async def test_a_turns_end_never_holds_a_database_thread_on_the_channel_layer(
+    make_engine, fake_model, recorder, user, monkeypatch
+):
+    # covers: C3, D2, F7
+    # The answer's history_delta is held in the channel layer. Meanwhile every database
+    # thread must be free for other dialogs: the commit publishes nothing from its thread.
+    import asyncio
+    import threading
+
+    from channels.layers import get_channel_layer
+
+    from chatcore.common import dbthreads
+    from chatcore.common.dbthreads import on_db
+
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    layer = get_channel_layer()
+    real_send = layer.group_send
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def group_send(group: str, message: dict) -> None:
+        frame = message.get("frame") or {}
+        roles = [m["role"] for m in frame.get("messages", [])]
+        if frame.get("type") == "history_delta" and "assistant" in roles:
+            held.set()
+            await release.wait()
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", group_send)
+    fake_model.script(Reply(text="The whole answer.", chunk=4))
+    await send(engine, session, "hi")
+    await asyncio.wait_for(held.wait(), 10)
+
+    count = dbthreads.thread_count()
+    barrier = threading.Barrier(count, timeout=2)
+    # Each call holds its thread until all of them run at once: only free threads can.
+    await asyncio.gather(*(on_db(barrier.wait)() for _ in range(count)))
+
+    release.set()
+    frames = await rec.until(lambda f: f["type"] == "turn_updated")
+    kinds = [f["type"] for f in frames]
+    assert kinds == ["history_delta", "history_delta", "turn_updated"]
+    assert frames[1]["messages"][-1]["content"] == "The whole answer."

@@ -641,6 +641,8 @@ def recover_interrupted(
             "closed an interrupted turn",
             extra={"turn_id": str(turn.pk), "session_id": session.session_id},
         )
+        if result.appended is not None:
+            services.announce_appended(result.appended, turn)
         publish.publish_to_chat(
             session,
             events.turn_updated_frame(

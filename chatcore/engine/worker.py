@@ -206,19 +206,7 @@ class Workers:
         self._wakeups[session_pk].set()
 
     def _announce(self, appended: services.Appended, turn: Turn) -> None:
-        session = appended.session
-        self.supervisor.spawn(
-            f"publish:{turn.pk}",
-            publish.apublish(
-                publish.chat_group(session.channel, session.chat_id),
-                events.history_delta_frame(
-                    session_id=session.session_id,
-                    turn_id=str(turn.pk),
-                    base_revision=appended.base_revision,
-                    messages=appended.messages,
-                ),
-            ),
-        )
+        self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
 
     async def _worker(self, session_pk: str, first: queue.Started | None = None) -> None:
         wake = self._wakeups[session_pk]
@@ -577,6 +565,10 @@ class Workers:
         # client that sends as soon as it sees `turn_updated` never waits for a claim of its
         # own (G6).
         self._between.add(session.pk)
+        if result.appended is not None:
+            # D2: the answer's delta, then the terminal, in that order, from the loop (the
+            # commit publishes nothing: no database thread waits on the channel layer).
+            await _publish_appended(result.appended, turn)
         if isinstance(outcome, Failed):
             logger.warning(
                 "turn failed: %s (%s)",
@@ -630,6 +622,14 @@ class Workers:
             )
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
+
+
+async def _publish_appended(appended: services.Appended, turn: Turn) -> None:
+    session = appended.session
+    await publish.apublish(
+        publish.chat_group(session.channel, session.chat_id),
+        services.appended_frame(appended, turn),
+    )
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:

@@ -101,7 +101,9 @@ def commit_outcome(
     fence: Lease | None = None,
 ) -> CommitResult:
     """Commit a turn's end. With `fence`, raises `LeaseLost` (having written nothing) when
-    the lease was lost."""
+    the lease was lost. It publishes nothing: the caller announces `result.appended`, then
+    the terminal, from wherever it runs (the worker from the event loop, so no database
+    thread waits on the channel layer while it holds a connection)."""
     session_pk = turn.session_id
     if isinstance(outcome, Stale):
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
@@ -159,6 +161,7 @@ def commit_outcome(
             require_generation=base_generation,
             extra=finish,
             guard=fence.guard if fence is not None else None,
+            publish_delta=False,
         )
     except services.StaleSession:
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")

@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from chatcore.common import publish
 from chatcore.common.redislayer import RedisPubSubLayer
-from tests.engine_helpers import chat_group_of, history, make_dialog, send
+from tests.engine_helpers import chat_group_of, history, make_dialog, send, turn
 from tests.fakemodel import Reply
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
@@ -45,16 +45,55 @@ class SlowRedisLayer(RedisPubSubLayer):
         await self._get_layer().group_send(group, message)
 
 
-def _layers(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:
+# Snapshot publishes wait for this while it is set (the answer's commit must not wait for them).
+held: list[asyncio.Event] = []
+
+
+async def _held(message: dict[str, Any]) -> None:
+    frame = message.get("frame", {})
+    if frame.get("type") == "turn_snapshot" and held:
+        in_flight.append(frame)
+        await held[0].wait()
+
+
+class HeldInMemoryLayer(InMemoryChannelLayer):
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        await _held(message)
+        await super().group_send(group, message)
+
+
+class HeldRedisLayer(RedisPubSubLayer):
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        await _held(message)
+        await self._get_layer().group_send(group, message)
+
+
+def _layers(kind: str, request: pytest.FixtureRequest, slow: str = "Slow") -> dict[str, Any]:
     if kind == "memory":
-        return {"default": {"BACKEND": f"{__name__}.SlowInMemoryLayer"}}
+        return {"default": {"BACKEND": f"{__name__}.{slow}InMemoryLayer"}}
     redis_url = request.getfixturevalue("redis_url")
     return {
         "default": {
-            "BACKEND": f"{__name__}.SlowRedisLayer",
+            "BACKEND": f"{__name__}.{slow}RedisLayer",
             "CONFIG": {"hosts": [redis_url], "prefix": f"snapdel{id(request)}"},
         }
     }
+
+
+async def _rebuilt(rec: Any, turn_id: str) -> tuple[str, list[dict[str, Any]]]:
+    """The turn's answer as a client rebuilds it from the snapshot tails it got before the
+    turn's terminal, and the frames up to that terminal; a tail that skips text fails."""
+    text = ""
+
+    def apply(frame: dict[str, Any]) -> bool:
+        nonlocal text
+        if frame["type"] == "turn_snapshot" and frame["turn_id"] == turn_id:
+            assert frame["text_offset"] <= len(text), "a snapshot tail went missing"
+            text = text[: frame["text_offset"]] + frame["text"]
+        return frame["type"] == "turn_updated" and frame["turn_id"] == turn_id
+
+    frames = await rec.until(apply, timeout=20)
+    return text, frames
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
@@ -82,21 +121,53 @@ async def test_last_snapshot_reaches_clients_before_the_terminal(
             await asyncio.sleep(0.005)
         gate.set()
 
-        text = ""
-
-        def apply(frame: dict[str, Any]) -> bool:
-            nonlocal text
-            if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
-                assert frame["text_offset"] <= len(text), "a snapshot tail went missing"
-                text = text[: frame["text_offset"]] + frame["text"]
-            return frame["type"] == "turn_updated" and frame["turn_id"] == ack.turn_id
-
-        frames = await rec.until(apply, timeout=20)
+        text, frames = await _rebuilt(rec, ack.turn_id)
         assert frames[-1]["status"] == "completed"
         # The answer rebuilt from snapshots before `turn_updated` is the whole answer.
         assert text == answer
         stored = [m.content for m in await history(session) if m.role == "assistant"]
         assert stored == [answer]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_the_answer_is_committed_while_its_last_snapshot_is_still_on_its_way(
+    kind, request, make_engine, fake_model, recorder, user
+):
+    # covers: D1, C9 (the turn's end does not wait for a slow layer before its commit; its
+    # terminal still comes after its last snapshot)
+    in_flight.clear()
+    held[:] = [asyncio.Event()]
+    try:
+        with override_settings(CHANNEL_LAYERS=_layers(kind, request, slow="Held")):
+            engine = await make_engine()
+            session = await make_dialog(user)
+            rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+            answer = "".join(f"a{i} " for i in range(40))
+            gate = threading.Event()
+            fake_model.script(Reply(text=answer, chunk=5, gate=gate))
+            ack = await send(engine, session, "question")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 15
+            while not in_flight:
+                assert loop.time() < deadline, "no snapshot publish started"
+                await asyncio.sleep(0.005)
+            gate.set()  # the answer ends while its snapshot publish is held in the layer
+
+            deadline = loop.time() + 3
+            while (await turn(ack.turn_id)).status != "completed":
+                assert loop.time() < deadline, "the commit waited for the snapshot publish"
+                await asyncio.sleep(0.02)
+            stored = [m.content for m in await history(session) if m.role == "assistant"]
+            assert stored == [answer]
+
+            held[0].set()
+            text, frames = await _rebuilt(rec, ack.turn_id)
+            assert frames[-1]["status"] == "completed"
+            assert text == answer  # the whole answer arrived before its terminal
+    finally:
+        for event in held:
+            event.set()
+        held.clear()
 
 
 def test_a_missing_tail_is_logged_counted_and_answered_with_a_full_snapshot(caplog):
@@ -183,15 +254,7 @@ async def test_the_rest_of_a_burst_waits_until_the_layer_took_the_first_frame(
         answer = "".join(f"w{i} " for i in range(400))
         fake_model.script(Reply(text=answer, chunk=4))
         ack = await send(engine, session, "question")
-        text = ""
-
-        def apply(frame: dict[str, Any]) -> bool:
-            nonlocal text
-            if frame["type"] == "turn_snapshot" and frame["turn_id"] == ack.turn_id:
-                text = text[: frame["text_offset"]] + frame["text"]
-            return frame["type"] == "turn_updated" and frame["turn_id"] == ack.turn_id
-
-        frames = await rec.until(apply, timeout=20)
+        text, frames = await _rebuilt(rec, ack.turn_id)
     assert frames[-1]["status"] == "completed"
     assert text == answer
     # While the first frame was on its way, the rest of the answer waited unparsed.

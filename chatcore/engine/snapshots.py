@@ -45,6 +45,9 @@ class LocalTurn:
     checkpointed: str = ""
     # A snapshot publish is under way (the turn's end lets it land rather than cancel it).
     publishing: bool = False
+    # The turn's snapshots winding down after its end (the publish under way landing, then
+    # the final flush): it runs beside the commit, and the terminal waits for it (D1).
+    drained: asyncio.Task[None] | None = None
 
     @property
     def may_speak(self) -> bool:

@@ -502,12 +502,15 @@ class Workers:
                 # flush would send its tail twice (D1).
                 if task is not publisher or not local.publishing:
                     task.cancel()
-            _done, stuck = await asyncio.wait(helpers, timeout=5)
-            if stuck:
-                logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
-                for late in stuck:
-                    late.cancel()
-            await snapshots.flush_snapshot(local)
+            # The publish under way lands and the last tail goes out while the outcome is
+            # committed; the terminal waits for both (`_finish`).
+            try:
+                local.drained = self.supervisor.spawn(
+                    f"drain:{local.turn_id}", _drain_snapshots(local, helpers)
+                )
+            except ShuttingDown:
+                # Shutdown began: the turn's last tail still goes out, here.
+                await _drain_snapshots(local, helpers)
 
     async def _finish(
         self,
@@ -565,6 +568,9 @@ class Workers:
         # client that sends as soon as it sees `turn_updated` never waits for a claim of its
         # own (G6).
         self._between.add(session.pk)
+        if local.drained is not None:
+            # D1: the turn's last snapshot reaches its clients before its terminal.
+            await local.drained
         if result.appended is not None:
             # D2: the answer's delta, then the terminal, in that order, from the loop (the
             # commit publishes nothing: no database thread waits on the channel layer).
@@ -622,6 +628,15 @@ class Workers:
             )
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
+
+
+async def _drain_snapshots(local: LocalTurn, helpers: tuple[asyncio.Task[Any], ...]) -> None:
+    _done, stuck = await asyncio.wait(helpers, timeout=5)
+    if stuck:
+        logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
+        for late in stuck:
+            late.cancel()
+    await snapshots.flush_snapshot(local)
 
 
 async def _publish_appended(appended: services.Appended, turn: Turn) -> None:

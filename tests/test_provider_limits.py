@@ -147,6 +147,41 @@ async def test_a_refused_answer_limit_is_adjusted_once_and_remembered(
                 assert sent[param] == value
 
 
+async def test_a_tool_steps_limit_counts_what_the_turn_added_off_the_event_loop(
+    make_engine, fake_model, recorder, user
+):
+    # covers: E5, F7 (what a turn records for its next step is counted in a worker thread,
+    # never on the event loop, and the answer that ends the turn is not counted at all)
+    import threading
+
+    from chatcore.engine.tokens import TokenCounter, heuristic_count
+
+    engine = await make_engine()
+    counted_on: list[tuple[str, str]] = []
+
+    def count(text: str) -> int:
+        counted_on.append((threading.current_thread().name, text))
+        return heuristic_count(text)
+
+    loop_thread = threading.current_thread().name
+    engine.builder._counter = TokenCounter("probe", count)
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(tool_calls=[("current_time", {})]), Reply(text="It is late."))
+    ack = await send(engine, session, "what time is it?")
+    assert (await finish(rec, ack.turn_id))["status"] == "completed"
+    first, second = (r.body for r in fake_model.turn_requests())
+    # The second step's limit leaves room for the tool call and the result it carries.
+    check = TokenCounter("check", heuristic_count)
+    estimate = sum(check.count_message(m) for m in second["messages"])
+    window = settings.LLM["CONTEXT_WINDOW"]
+    expected = window - estimate - max(ANSWER_TOKEN_MARGIN, estimate // 4)
+    assert second["max_tokens"] < first["max_tokens"]
+    assert abs(second["max_tokens"] - expected) <= 4
+    assert not [text for thread, text in counted_on if thread == loop_thread]
+    assert not [text for _thread, text in counted_on if "It is late." in text]
+
+
 async def test_a_limit_that_does_not_fit_the_window_is_fitted(
     make_engine, fake_model, recorder, user
 ):

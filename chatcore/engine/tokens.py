@@ -92,9 +92,10 @@ def counter_for_model(model: str) -> TokenCounter:
 
 
 class TokenCache:
-    """Counts of stored messages by message id (a message's content never changes), bounded
-    in entries with least-recently-used eviction. Thread-safe: builders of several dialogs
-    run in worker threads at once."""
+    """Counts of stored messages by message id (a message's content never changes) and of
+    texts by the text itself (the model input's head), bounded in entries with
+    least-recently-used eviction. Thread-safe: builders of several dialogs run in worker
+    threads at once."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max(1, max_entries)

@@ -316,7 +316,9 @@ class TurnInputBuilder:
         # last stored one (this turn's user message). Walking back from the newest message
         # counts each message at most once, and only those that can still fit (STYLE 18).
         counter, cache = self.counter, self.token_cache
-        total = sum(counter.count_message(h) for h in head)
+        # The head (system prompt, skills, notes, plan, summary) is the same turn after turn:
+        # counted once per text, kept under the text itself.
+        total = sum(cache.count(counter, ("head", h["content"]), h) for h in head)
         keep = next((i for i, it in enumerate(items) if it.in_turn), len(items))
         keep = max(0, keep - 1)
         counts = [0] * len(items)

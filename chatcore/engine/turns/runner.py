@@ -145,6 +145,9 @@ class TurnRunner:
         self.lead = list(lead or [])
         self.answer_tokens = settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens
         self.input_tokens = 0
+        # Model input recorded during the turn (tool calls, results, steers) and not yet in
+        # `input_tokens`: counted when a next request needs it, off the loop (F7).
+        self._uncounted: list[dict[str, Any]] = []
 
     @property
     def step_text(self) -> str:
@@ -164,6 +167,7 @@ class TurnRunner:
     async def run(self, prepared: PreparedInput) -> TurnOutcome:
         messages = list(prepared.messages)
         self.input_tokens = prepared.estimated_tokens
+        self._uncounted.clear()
         step = 0
         while True:
             step += 1
@@ -184,6 +188,7 @@ class TurnRunner:
                     )
                     messages = list(prepared.messages)
                     self.input_tokens = prepared.estimated_tokens
+                    self._uncounted.clear()
                     step -= 1
                     continue
                 if exc.kind == "content_filter":
@@ -282,6 +287,7 @@ class TurnRunner:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> Completion:
         started = time.monotonic()
+        await self._count_recorded()
         if self.pending and self.snapshot.text and not self.snapshot.text.endswith("\n\n"):
             separator_pending = True
         else:
@@ -323,7 +329,19 @@ class TurnRunner:
         self.pending.append(message)
         item = message_to_openai(message)
         messages.append(item)
-        self.input_tokens += self.builder.counter.count_message(item)
+        self._uncounted.append(item)
+
+    async def _count_recorded(self) -> None:
+        """Add what was recorded since the last request to `input_tokens`, in a worker
+        thread: a long answer or tool result is never tokenized on the event loop (F7), and
+        the answer that ends the turn is never counted at all."""
+        if not self._uncounted:
+            return
+        items, self._uncounted = self._uncounted, []
+        counter = self.builder.counter
+        self.input_tokens += await asyncio.to_thread(
+            lambda: sum(counter.count_message(item) for item in items)
+        )
 
     def _add_usage(self, usage: dict[str, Any]) -> None:
         merge_usage(self.usage, usage)

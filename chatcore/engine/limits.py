@@ -153,49 +153,67 @@ def _party_sql(
     )
 
 
-def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
-    """F7, in the claiming transaction after `lock_owner`: the turn's party (`party`) has a
-    free slot, and no dialog of theirs that waits for one has an older head (so held-back
-    dialogs start in the order they were sent, never starved by a busy dialog's next turn).
-    One query: the party's running turns, and its other dialogs waiting with older turns.
-    It runs before every turn starts, so it is written in SQL (the ORM's compilation of
-    it cost more than the query)."""
-    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
-    session = turn.session
-    outer, outer_params = _party_sql("t", "s", turn.owner_id, session.channel, session.chat_id)
-    inner, inner_params = _party_sql("r", "rs", turn.owner_id, session.channel, session.chat_id)
-    received = connection.ops.adapt_datetimefield_value(turn.received_at)
-    # The SQL names only our own tables; values are parameters.
+def slot_columns(
+    *, owner_id: int, channel: str, chat_id: str, session_id: str, received_at: Any
+) -> tuple[str, list[Any]]:
+    """F7's two counts for a turn of `session_id` received at `received_at`, as two columns
+    of a SELECT (so the admission reads them in the statement of its queue counts): the
+    party's running turns, and its other dialogs that wait for a slot (queued, nothing
+    running) with an older turn. Our own tables; values are parameters."""
+    running_party, running_params = _party_sql("t", "s", owner_id, channel, chat_id)
+    waiting_party, waiting_params = _party_sql("w", "ws", owner_id, channel, chat_id)
+    busy_party, busy_params = _party_sql("r", "rs", owner_id, channel, chat_id)
+    received = connection.ops.adapt_datetimefield_value(received_at)
     sql = (
-        f'SELECT COALESCE(SUM(CASE WHEN t."status" = %s THEN 1 ELSE 0 END), 0),'  # noqa: S608
-        f' COUNT(DISTINCT CASE WHEN t."status" = %s AND t."received_at" < %s'
-        f' AND t."session_id" <> %s AND t."session_id" NOT IN ('
+        f'(SELECT COUNT(*) FROM "{_TURNS}" t INNER JOIN "{_SESSIONS}" s'  # noqa: S608
+        f' ON s."id" = t."session_id" WHERE {running_party} AND t."status" = %s) AS "f_running",'
+        f' (SELECT COUNT(DISTINCT w."session_id") FROM "{_TURNS}" w INNER JOIN "{_SESSIONS}" ws'
+        f' ON ws."id" = w."session_id" WHERE {waiting_party} AND w."status" = %s'
+        ' AND w."received_at" < %s AND w."session_id" <> %s AND w."session_id" NOT IN ('
         f'SELECT r."session_id" FROM "{_TURNS}" r INNER JOIN "{_SESSIONS}" rs'
-        f' ON rs."id" = r."session_id" WHERE r."status" = %s AND {inner})'
-        f' THEN t."session_id" END)'
-        f' FROM "{_TURNS}" t INNER JOIN "{_SESSIONS}" s ON s."id" = t."session_id"'
-        f' WHERE {outer} AND t."status" IN (%s, %s)'
+        f' ON rs."id" = r."session_id" WHERE r."status" = %s AND {busy_party})) AS "f_older"'
     )
     params = [
+        *running_params,
         TurnStatus.RUNNING,
+        *waiting_params,
         TurnStatus.QUEUED,
         received,
-        str(turn.session_id),
+        str(session_id),
         TurnStatus.RUNNING,
-        *inner_params,
-        *outer_params,
-        TurnStatus.RUNNING,
-        TurnStatus.QUEUED,
+        *busy_params,
     ]
-    with sql_cursor() as cursor:
-        cursor.execute(sql, params)
-        running, older = cursor.fetchone()
-    running, older = int(running or 0), int(older or 0)
+    return sql, params
+
+
+def slot_free(running: int, older: int, cfg: Mapping[str, Any] | None = None) -> bool:
+    """F7 on `slot_columns`' counts: the party has a free slot, and no dialog of theirs that
+    waits for one has an older head (so held-back dialogs start in the order they were sent,
+    never starved by a busy dialog's next turn)."""
+    cap = int(_cfg(cfg)["USER_RUNNING_TURNS"])
     if running >= cap:
         return False
     # The order is a preference, the cap is not: with nothing of theirs running, start now
     # (an older dialog nobody can run, e.g. outside a terminal engine's scope, never blocks).
     return running == 0 or running + older < cap
+
+
+def turn_may_start(turn: Turn, cfg: Mapping[str, Any] | None = None) -> bool:
+    """F7, in the claiming transaction after `lock_owner`: `slot_free` on `slot_columns`,
+    one statement. It runs before every claimed turn starts, so it is written in SQL (the
+    ORM's compilation of it cost more than the query)."""
+    session = turn.session
+    columns, params = slot_columns(
+        owner_id=turn.owner_id,
+        channel=session.channel,
+        chat_id=session.chat_id,
+        session_id=str(turn.session_id),
+        received_at=turn.received_at,
+    )
+    with sql_cursor() as cursor:
+        cursor.execute(f"SELECT {columns}", params)
+        running, older = cursor.fetchone()
+    return slot_free(int(running or 0), int(older or 0), cfg)
 
 
 def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[str]:

@@ -77,13 +77,17 @@ class QueueState:
     running: int  # its running turns (0 or 1)
     staged: bool  # inputs staged for a turn (C4/C5)
     queued_everywhere: int  # queued turns of every dialog (C2's global bound)
+    # F7's counts for a turn the send would start (`limits.slot_columns`), when asked for.
+    slot: tuple[int, int] | None = None
 
     @property
     def busy(self) -> bool:
         return bool(self.queued or self.running)
 
 
-def lock_for_admission(session_pk: str, owner_id: int) -> tuple[Session, QueueState]:
+def lock_for_admission(
+    session_pk: str, owner_id: int, *, slot: tuple[str, str, Any] | None = None
+) -> tuple[Session, QueueState]:
     """`lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
     finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
     values as parameters.
@@ -93,7 +97,11 @@ def lock_for_admission(session_pk: str, owner_id: int) -> tuple[Session, QueueSt
     locks the sender's row (`limits.lock_owner`, for F7's slot, in the same round trip): a
     statement's subqueries see the tables as of its start, so counts read in the statement
     that waited for the lock would miss what the transaction holding it committed (a turn
-    another send just started, C1); read after the lock, they see it."""
+    another send just started, C1); read after the lock, they see it.
+
+    `slot`: the dialog's channel and chat id and the send's received time, for a send that
+    may start its turn: F7's counts for that turn are read in the same statement as the
+    queue's (`QueueState.slot`), so the start needs no statement of its own for them."""
     counts = (
         f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
         ' AND t."status" = %s) AS "q_queued",'
@@ -109,6 +117,17 @@ def lock_for_admission(session_pk: str, owner_id: int) -> tuple[Session, QueueSt
         StagedInput.Status.STAGED,
         TurnStatus.QUEUED,
     ]
+    if slot is not None:
+        channel, chat_id, received_at = slot
+        columns, params = limits.slot_columns(
+            owner_id=owner_id,
+            channel=channel,
+            chat_id=chat_id,
+            session_id=session_pk,
+            received_at=received_at,
+        )
+        counts = f"{counts}, {columns}"
+        count_params = [*count_params, *params]
     live = f'"{_SESSIONS}" s WHERE s."id" = %s AND s."deleted_at" IS NULL'
     with rows.cursor() as cursor:
         if connection.features.has_select_for_update:
@@ -131,12 +150,14 @@ def lock_for_admission(session_pk: str, owner_id: int) -> tuple[Session, QueueSt
             found = row = cursor.fetchone()
     if found is None:
         raise NotFound(_("Dialog not found."))
-    queued, running, staged, queued_everywhere = row[-4:]
+    width = len(Session._meta.concrete_fields)
+    queued, running, staged, queued_everywhere, *slot_counts = row[width:]
     state = QueueState(
         queued=int(queued),
         running=int(running),
         staged=bool(staged),
         queued_everywhere=int(queued_everywhere),
+        slot=(int(slot_counts[0] or 0), int(slot_counts[1] or 0)) if slot_counts else None,
     )
     return rows.from_row(Session, row), state
 
@@ -285,15 +306,18 @@ def admit_and_start(
     (a send that follows an answer at once): the turn starts under it, if the row still
     shows it, and the caller hands it to that worker; no new lease, no second transaction.
 
-    The started path is six statements on SQLite: the locked row with the queue counts,
-    the owner's slot, the turn inserted running, the user message, and one update of the
-    dialog's row (turn counter, lease, revision); on PostgreSQL the last three are one
-    statement (`rows.merged`), after the owner's row lock."""
+    The started path is four statements on SQLite: the locked row with the queue counts and
+    F7's slot counts, the turn inserted running, the user message, and one update of the
+    dialog's row (turn counter, lease, revision); on PostgreSQL three: the dialog's and the
+    owner's rows locked, then the counts, then the last three writes as one statement
+    (`rows.merged`)."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         confirmed = time.monotonic()
         with transaction.atomic():
-            live, state = lock_for_admission(session.pk, inbound.owner.pk)
+            may_start = inbound.mode in ("send", "steer") and (held or start_as) is not None
+            slot = (session.channel, session.chat_id, inbound.received_at) if may_start else None
+            live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot)
             if inbound.accept is not None:
                 inbound.accept()
             idle_send = inbound.mode in ("send", "steer") and not state.busy
@@ -356,8 +380,14 @@ def _start_locked(
         status=TurnStatus.RUNNING,
         started_at=now,
     )
-    # The sender's row is locked already, with the dialog's (`lock_for_admission`).
-    if not limits.turn_may_start(turn, cfg):
+    # The sender's row is locked already, with the dialog's, and F7's counts were read after
+    # that lock (`lock_for_admission`).
+    free = (
+        limits.slot_free(*state.slot, cfg)
+        if state.slot is not None
+        else limits.turn_may_start(turn, cfg)
+    )
+    if not free:
         return None
     with rows.merged():
         # G6: on PostgreSQL the turn, its user message and the row's update are one

@@ -207,6 +207,43 @@ def test_the_send_budget_on_redis_is_one_count_shared_by_every_process(
     other.delete_many([key, key.replace(":send:", ":write:")])
 
 
+@pytest.mark.redis
+async def test_a_burst_of_sends_is_charged_exactly_in_one_round_trip_to_redis(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: F7, G6 (the send rate of a burst: every charge counted once, the budget exact,
+    # the counts in one pipeline to Redis rather than one round trip per send)
+    import uuid
+
+    from chatcore.common.errors import RateLimited
+    from chatcore.engine import limits
+
+    monkeypatch.setattr(limits.time, "time", lambda: 1_800_000_000.0 - 40)
+    batches: list[int] = []
+    real = limits._COUNTS.run_many
+
+    def counted(keys: list[str]) -> list[int]:
+        batches.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(limits._COUNTS, "run_many", counted)
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    cfg = {"RATE_LIMIT_PER_MINUTE": 40, "WRITE_RATE_PER_MINUTE": 100}
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
+        results = await asyncio.gather(
+            *(limits.acharge(7373, limits.SEND, cfg) for _ in range(50)),
+            limits.acharge(7374, limits.SEND, cfg),  # another user: a budget of their own
+            return_exceptions=True,
+        )
+        refused = [r for r in results if isinstance(r, RateLimited)]
+        assert len(refused) == 10 and all(r.retry_after == 40 for r in refused)
+        assert results[-1] is None
+        assert batches == [51]
+        with pytest.raises(RateLimited):
+            await limits.acharge(7373, limits.SEND, cfg)
+        await limits.acharge(7374, limits.SEND, cfg)
+
+
 def test_the_socket_bound_falls_back_to_the_process_when_redis_is_down() -> None:
     # covers: F7, G5 (an unreachable Redis never locks people out, nor lifts the bound)
     from chatcore.engine.limits import SocketRegistry

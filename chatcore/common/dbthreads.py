@@ -20,9 +20,11 @@ import asyncio
 import contextvars
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, ParamSpec, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
@@ -30,6 +32,8 @@ from django.db import connections
 
 P = ParamSpec("P")
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 (an item)
+R = TypeVar("R")
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
@@ -117,6 +121,54 @@ class Lane:
                 raise
             for (_fn, _ctx, future), (ok, value) in zip(batch, outcomes, strict=True):
                 _settle(future, ok, value)
+
+
+class Batch(Generic[I, R]):
+    """Items asked for while one of its trips is under way go together in the next trip
+    (at most `max_batch`): `run_many(items)` on a database thread, one result per item, in
+    order; its error is every item's. For work whose per-call cost dwarfs the per-item one
+    (a round trip to a cache server): a burst of calls costs a few trips, not one each.
+    State is per event loop."""
+
+    def __init__(
+        self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256
+    ) -> None:
+        self.name = name
+        self.run_many = run_many
+        self.max_batch = max_batch
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pending[I, R]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def run(self, item: I) -> R:
+        if getattr(AsyncToSync.executors, "current", None) is not None:
+            return (await on_db(self.run_many)([item]))[0]  # a synchronous caller's thread
+        loop = asyncio.get_running_loop()
+        pending = self._loops.setdefault(loop, _Pending())
+        future: asyncio.Future[R] = loop.create_future()
+        pending.items.append((item, future))
+        if pending.drainer is None or pending.drainer.done():
+            pending.drainer = loop.create_task(self._drain(pending), name=f"batch:{self.name}")
+        return await future
+
+    async def _drain(self, pending: _Pending[I, R]) -> None:
+        while pending.items:
+            batch = pending.items[: self.max_batch]
+            del pending.items[: self.max_batch]
+            try:
+                results = await on_db(self.run_many)([item for item, _f in batch])
+            except Exception as exc:
+                for _item, future in batch:
+                    _settle(future, False, exc)
+                continue
+            for (_item, future), result in zip(batch, results, strict=True):
+                _settle(future, True, result)
+
+
+@dataclass
+class _Pending(Generic[I, R]):
+    items: list[tuple[I, asyncio.Future[R]]] = field(default_factory=list)
+    drainer: asyncio.Task[None] | None = None
 
 
 def _run_each(calls: list[tuple[Callable[[], Any], contextvars.Context]]) -> list[tuple[bool, Any]]:

@@ -34,7 +34,7 @@ from django.db import connection
 from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import Batch
 from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
@@ -60,32 +60,48 @@ def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = Non
     """Count one request against the user's budget for this minute; over it raises
     `RateLimited` with the seconds until the next minute (REST: `Retry-After`). A cache call:
     run it off the event loop (`acharge`)."""
-    limit = int(_cfg(cfg)[_BUDGETS[budget]])
     now = time.time()
-    count = _count(f"rl:{budget}:{user_id}:{int(now // 60)}")
-    if count > limit:
+    _refuse_over(_count_many([_budget_key(user_id, budget, now)])[0], budget, cfg, now)
+
+
+def _budget_key(user_id: int, budget: str, now: float) -> str:
+    return f"rl:{budget}:{user_id}:{int(now // 60)}"
+
+
+def _refuse_over(count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
+    if count > int(_cfg(cfg)[_BUDGETS[budget]]):
         message = None if budget == SEND else _write_message()
         raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
 
 
-def _count(key: str) -> int:
-    """Add one to the counter `key` (created with a two-minute life) and return it. On Redis
-    one round trip (SET NX and INCR in a pipeline) instead of the cache API's three (add,
-    then incr's existence check and increment): every send pays it before admission."""
+def _count_many(keys: list[str]) -> list[int]:
+    """Add one to each counter of `keys` (created with a two-minute life; a key twice counts
+    twice) and return their counts. On Redis one round trip for all (SET NX and INCR each, in
+    a pipeline) instead of the cache API's three per key (add, then incr's existence check
+    and increment): every send pays it before admission."""
     backend = caches["default"]
     if isinstance(backend, RedisCache):
-        full = backend.make_and_validate_key(key)
-        client = backend._cache.get_client(full, write=True)
+        fulls = [backend.make_and_validate_key(key) for key in keys]
+        client = backend._cache.get_client(fulls[0], write=True)
         with client.pipeline(transaction=False) as pipe:
-            pipe.set(full, 0, ex=120, nx=True)
-            pipe.incr(full)
-            return int(pipe.execute()[1])
-    backend.add(key, 0, timeout=120)
-    try:
-        return int(backend.incr(key))
-    except ValueError:  # expired between the two calls
-        backend.set(key, 1, timeout=120)
-        return 1
+            for full in fulls:
+                pipe.set(full, 0, ex=120, nx=True)
+                pipe.incr(full)
+            replies = pipe.execute()
+        return [int(count) for count in replies[1::2]]
+    counts = []
+    for key in keys:
+        backend.add(key, 0, timeout=120)
+        try:
+            counts.append(int(backend.incr(key)))
+        except ValueError:  # expired between the two calls
+            backend.set(key, 1, timeout=120)
+            counts.append(1)
+    return counts
+
+
+# A burst of sends counts in a few round trips to the cache server, not one each.
+_COUNTS: Batch[str, int] = Batch("send-rate", _count_many)
 
 
 def _write_message() -> str:
@@ -101,8 +117,9 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
         # and back would cost more than the count and delay every send's admission.
         charge(user_id, budget, cfg)
         return
-    # A cache server (scaled mode): off the loop.
-    await on_db(charge)(user_id, budget, cfg)
+    # A cache server (scaled mode): off the loop, with the charges made meanwhile.
+    now = time.time()
+    _refuse_over(await _COUNTS.run(_budget_key(user_id, budget, now)), budget, cfg, now)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------

@@ -194,6 +194,11 @@ def test_the_bpe_counter_knows_openai_models_and_falls_back_otherwise() -> None:
     other = counter_for_model("llama-3-some-local-model")
     assert other.name == "heuristic"
     assert other.count_text("abcdefgh") == 2 and other.count_text("你好") == 2
+    # CJK (symbols and punctuation through unified ideographs) and Hangul: a token each;
+    # the rest four characters a token; just outside those ranges counts as the rest.
+    assert heuristic_count("한국어 텍스트, 日本語「テスト」。 and some words") == 15 + 18 // 4
+    assert heuristic_count("\u3000\u9fff\uac00\ud7af") == 4
+    assert heuristic_count("\u2fff\ua000\ud7b0\uabff") == 1
 
 
 async def test_sessions_answered_while_another_users_long_dialog_is_built(

@@ -315,7 +315,9 @@ def admit_and_start(
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         confirmed = time.monotonic()
         with transaction.atomic():
-            may_start = inbound.mode in ("send", "steer") and (held or start_as) is not None
+            may_start = inbound.mode in ("send", "steer") and (
+                held is not None or start_as is not None
+            )
             slot = (session.channel, session.chat_id, inbound.received_at) if may_start else None
             live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot)
             if inbound.accept is not None:

@@ -100,12 +100,12 @@ async def main(args: argparse.Namespace, trips: Trips) -> None:
         ack = await engine.submit(inbound, session)
         first = None
         while True:
-            frame = (await layer.receive(channel))["frame"]
-            if frame.get("turn_id") != ack.turn_id:
-                continue
-            if frame["type"] == "turn_snapshot" and first is None:
+            message = await layer.receive(channel)
+            frames = [one["frame"] for one in publish.unfold(message)]
+            mine = [f for f in frames if f.get("turn_id") == ack.turn_id]
+            if first is None and any(f["type"] == "turn_snapshot" for f in mine):
                 first = time.perf_counter() - started
-            if frame["type"] == "turn_updated":
+            if any(f["type"] == "turn_updated" for f in mine):
                 break
         firsts.append((first or 0.0) * 1000)
         # Past the lease's linger: every turn starts on an idle dialog.

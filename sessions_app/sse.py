@@ -27,7 +27,7 @@ from django.http import (
 )
 from django.utils.translation import gettext as _
 
-from chatcore.common import events
+from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import NotFound
 from chatcore.engine import clientstate
@@ -124,16 +124,21 @@ class _Inbox:
         self.layer = layer
         self.channel = channel
         self._next: asyncio.Future[dict[str, Any]] | None = None
+        # The rest of a message that carried several frames (`publish.unfold`).
+        self._unfolded: list[dict[str, Any]] = []
 
     async def get(self, timeout: float) -> dict[str, Any] | None:
-        """The next message, or None after `timeout` seconds of silence."""
+        """The next message of one frame, or None after `timeout` seconds of silence."""
+        if self._unfolded:
+            return self._unfolded.pop(0)
         if self._next is None:
             self._next = asyncio.ensure_future(self.layer.receive(self.channel))
         done, _pending = await asyncio.wait({self._next}, timeout=max(0.0, timeout))
         if not done:
             return None
         received, self._next = self._next, None
-        return received.result()
+        first, *self._unfolded = publish.unfold(received.result())
+        return first
 
     async def close(self) -> None:
         if self._next is not None:

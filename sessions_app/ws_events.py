@@ -155,7 +155,8 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         if kind == publish.EVENT_TYPE:
             # Relaying touches no database: skip channels' per-message close_old_connections,
             # a round trip to a sync thread for every snapshot frame (STYLE 6).
-            await self.chat_event(message)
+            for one in publish.unfold(message):
+                await self.chat_event(one)
             return
         if kind == "websocket.receive":
             # Nor for a client frame: its reads run through `on_db`, which does that cleanup

@@ -115,6 +115,7 @@ from collections.abc import AsyncIterator  # noqa: E402
 import pytest_asyncio  # noqa: E402
 from channels.layers import get_channel_layer  # noqa: E402
 
+from chatcore.common import publish  # noqa: E402
 from tests.fakemodel import FakeModelServer  # noqa: E402
 
 
@@ -137,6 +138,8 @@ class FrameRecorder:
         # One receive stays open across timeouts: cancelling a receive on the Redis pub/sub
         # layer unsubscribes the channel and loses frames.
         self._pending: asyncio.Task[Any] | None = None
+        # The rest of a message that carried several frames (`publish.unfold`).
+        self._unfolded: list[dict[str, Any]] = []
 
     async def start(self, *groups: str) -> FrameRecorder:
         self.channel = await self.layer.new_channel("test.")
@@ -145,14 +148,15 @@ class FrameRecorder:
         return self
 
     async def next(self, timeout: float = 10.0) -> dict[str, Any]:
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self.layer.receive(self.channel))
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
-            raise TimeoutError
-        message = self._pending.result()
-        self._pending = None
-        frame = message["frame"]
+        if not self._unfolded:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self.layer.receive(self.channel))
+            done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+            if not done:
+                raise TimeoutError
+            self._unfolded = publish.unfold(self._pending.result())
+            self._pending = None
+        frame = self._unfolded.pop(0)["frame"]
         self.frames.append(frame)
         return frame
 

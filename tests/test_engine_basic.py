@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chatcore.common import publish
 from tests.engine_helpers import chat_group_of, history, make_dialog, send, turn
 from tests.fakemodel import Reply, user_texts
 
@@ -42,27 +43,22 @@ async def test_a_turns_end_never_holds_a_database_thread_on_the_channel_layer(
     import asyncio
     import threading
 
-    from channels.layers import get_channel_layer
-
     from chatcore.common import dbthreads
     from chatcore.common.dbthreads import on_db
 
     engine = await make_engine()
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
-    layer = get_channel_layer()
-    real_send = layer.group_send
     held, release = asyncio.Event(), asyncio.Event()
 
-    async def group_send(group: str, message: dict) -> None:
-        frame = message.get("frame") or {}
-        roles = [m["role"] for m in frame.get("messages", [])]
-        if frame.get("type") == "history_delta" and "assistant" in roles:
-            held.set()
-            await release.wait()
-        await real_send(group, message)
+    async def hold(message: dict) -> None:
+        for frame in _frames(message):
+            roles = [m["role"] for m in frame.get("messages", [])]
+            if frame.get("type") == "history_delta" and "assistant" in roles:
+                held.set()
+                await release.wait()
 
-    monkeypatch.setattr(layer, "group_send", group_send)
+    _before_each_publish(monkeypatch, hold)
     fake_model.script(Reply(text="The whole answer.", chunk=4))
     await send(engine, session, "hi")
     await asyncio.wait_for(held.wait(), 10)
@@ -77,3 +73,44 @@ async def test_a_turns_end_never_holds_a_database_thread_on_the_channel_layer(
     kinds = [f["type"] for f in frames]
     assert kinds == ["history_delta", "history_delta", "turn_updated"]
     assert frames[1]["messages"][-1]["content"] == "The whole answer."
+
+
+async def test_a_turns_answer_and_terminal_are_one_publish(
+    make_engine, fake_model, recorder, user, monkeypatch
+):
+    # covers: D2 (a turn's end costs one message on the layer, its frames in order)
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    sent: list[dict] = []
+
+    async def record(message: dict) -> None:
+        sent.append(message)
+
+    _before_each_publish(monkeypatch, record)
+    fake_model.script(Reply(text="One answer."))
+    ack = await send(engine, session, "hi")
+    await rec.terminal(ack.turn_id)
+    ends = [m for m in sent if any(f["type"] == "turn_updated" for f in _frames(m))]
+    assert len(ends) == 1
+    delta, done = _frames(ends[0])
+    assert delta["type"] == "history_delta" and delta["messages"][-1]["content"] == "One answer."
+    assert done["type"] == "turn_updated" and done["turn_id"] == ack.turn_id
+
+
+def _frames(message: dict) -> list[dict]:
+    return [one["frame"] for one in publish.unfold(message)]
+
+
+def _before_each_publish(monkeypatch, hook) -> None:
+    """Run `hook(message)` before each group message goes on the channel layer."""
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    real_send = layer.group_send
+
+    async def group_send(group: str, message: dict) -> None:
+        await hook(message)
+        await real_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", group_send)

@@ -5,8 +5,10 @@ matter:
 - the chat group: every connection of a chat hears history deltas, terminals,
   `session_updated`, `sessions_changed` and notifications of every dialog (D2, D3);
 - the session group: connections whose current dialog it is hear its snapshots (D1).
-Events travel on the channel layer as `{"type": "chat.event", "frame": {...}}`; consumers and
-SSE streams relay `frame` as it is.
+Events travel on the channel layer as `{"type": "chat.event", "frame": {...}}`, or several for
+one group as `{"type": "chat.event", "frames": [...]}` (a turn's end: its answer's delta and
+its terminal, one publish); consumers and SSE streams relay each frame as it is, in order
+(`unfold`).
 """
 
 from __future__ import annotations
@@ -69,16 +71,38 @@ def failed_publishes() -> int:
 
 
 async def apublish(group: str, frame: dict[str, Any]) -> None:
+    await _group_send(group, {"type": EVENT_TYPE, "frame": frame})
+
+
+async def apublish_all(group: str, frames: list[dict[str, Any]]) -> None:
+    """Several frames for one group as one message on the layer: one publish, received
+    together and relayed in this order (`unfold`)."""
+    if len(frames) == 1:
+        await apublish(group, frames[0])
+    elif frames:
+        await _group_send(group, {"type": EVENT_TYPE, "frames": frames})
+
+
+async def _group_send(group: str, message: dict[str, Any]) -> None:
     global _failed
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        await layer.group_send(group, {"type": EVENT_TYPE, "frame": frame})
+        await layer.group_send(group, message)
     except Exception:
         # C3: a failing listener never fails the turn; the failure is logged and counted.
         _failed += 1
         logger.exception("publish to %s failed", group)
+
+
+def unfold(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A received layer message as messages of one frame each, in order (`apublish_all`);
+    any other message as it is."""
+    frames = message.get("frames")
+    if message.get("type") != EVENT_TYPE or not isinstance(frames, list):
+        return [message]
+    return [{"type": EVENT_TYPE, "frame": frame} for frame in frames]
 
 
 def publish(group: str, frame: dict[str, Any]) -> None:

@@ -571,10 +571,6 @@ class Workers:
         if local.drained is not None:
             # D1: the turn's last snapshot reaches its clients before its terminal.
             await local.drained
-        if result.appended is not None:
-            # D2: the answer's delta, then the terminal, in that order, from the loop (the
-            # commit publishes nothing: no database thread waits on the channel layer).
-            await _publish_appended(result.appended, turn)
         if isinstance(outcome, Failed):
             logger.warning(
                 "turn failed: %s (%s)",
@@ -582,8 +578,10 @@ class Workers:
                 outcome.provider_kind or outcome.detail,
                 extra={"turn_id": str(turn.pk), "session_id": session.session_id},
             )
-        await publish.apublish(
-            publish.chat_group(session.channel, session.chat_id),
+        # D2: the answer's delta, then the terminal, as one publish from the loop (the commit
+        # publishes nothing: no database thread waits on the channel layer).
+        end = [] if result.appended is None else [services.appended_frame(result.appended, turn)]
+        end.append(
             events.turn_updated_frame(
                 session_id=session.session_id,
                 turn_id=str(turn.pk),
@@ -592,8 +590,9 @@ class Workers:
                 error=result.error,
                 client_msg_id=turn.client_msg_id,
                 notice=result.notice,
-            ),
+            )
         )
+        await publish.apublish_all(publish.chat_group(session.channel, session.chat_id), end)
         if local.delivery is not None:
             # D4: the sink's terminal goes out under the engine's supervisor, off the turn's
             # path: the next turn of the dialog does not wait for a slow or broken sink.

@@ -15,6 +15,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import QuerySet
 
+from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import ChatError
 from chatcore.common.ids import owner_chat_id, validate_part
@@ -104,35 +105,36 @@ class Terminal:
 
     async def _listen(self, conn: ChannelConnection) -> None:
         while True:
-            message = await conn.layer.receive(conn.reply_channel)
-            frame = message.get("frame") or {}
-            kind = frame.get("type")
-            turn_id = frame.get("turn_id")
-            if kind == "turn_snapshot" and turn_id in self.pending:
-                # D1, D3: the same relay as the web chat's; a gap asks for a full snapshot.
-                tail = await conn.relay_snapshot(frame)
-                if tail is not None:
-                    self._print_tail(turn_id, tail)
-            elif kind == "history_delta" and turn_id in self.pending:
-                answers = [
-                    m
-                    for m in frame["messages"]
-                    if m["role"] == "assistant" and not m.get("tool_calls")
-                ]
-                if answers:
-                    final = "\n\n".join(m["content"] for m in answers)
-                    known = self.printed.get(turn_id, "")
-                    # Print whatever the coalesced snapshots did not show.
-                    if final.startswith(known):
-                        self.write(final[len(known) :])
-                    elif not known:
-                        self.write(final)
-                    self.printed[turn_id] = final
-            elif kind == "turn_updated" and turn_id in self.pending:
-                conn.relay.forget(turn_id)
-                self._print_end(turn_id, frame)
-            elif kind == "system_notification":
-                self.err.write(f"[{frame.get('level')}] {frame.get('content')}\n")
+            for message in publish.unfold(await conn.layer.receive(conn.reply_channel)):
+                await self._show(conn, message)
+
+    async def _show(self, conn: ChannelConnection, message: dict[str, Any]) -> None:
+        frame = message.get("frame") or {}
+        kind = frame.get("type")
+        turn_id = frame.get("turn_id")
+        if kind == "turn_snapshot" and turn_id in self.pending:
+            # D1, D3: the same relay as the web chat's; a gap asks for a full snapshot.
+            tail = await conn.relay_snapshot(frame)
+            if tail is not None:
+                self._print_tail(turn_id, tail)
+        elif kind == "history_delta" and turn_id in self.pending:
+            answers = [
+                m for m in frame["messages"] if m["role"] == "assistant" and not m.get("tool_calls")
+            ]
+            if answers:
+                final = "\n\n".join(m["content"] for m in answers)
+                known = self.printed.get(turn_id, "")
+                # Print whatever the coalesced snapshots did not show.
+                if final.startswith(known):
+                    self.write(final[len(known) :])
+                elif not known:
+                    self.write(final)
+                self.printed[turn_id] = final
+        elif kind == "turn_updated" and turn_id in self.pending:
+            conn.relay.forget(turn_id)
+            self._print_end(turn_id, frame)
+        elif kind == "system_notification":
+            self.err.write(f"[{frame.get('level')}] {frame.get('content')}\n")
 
     def _print_tail(self, turn_id: str, tail: dict[str, Any]) -> None:
         """Printed text cannot be taken back: a full snapshot (offset 0) only adds what goes

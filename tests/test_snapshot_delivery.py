@@ -24,12 +24,20 @@ SLOW_SECONDS = 0.5
 in_flight: list[dict[str, Any]] = []
 
 
+# When set, snapshot publishes wait for this event instead of SLOW_SECONDS (a layer stuck
+# until the test lets it go: the answer's commit must not wait for it).
+held: list[asyncio.Event] = []
+
+
 async def _slowly(message: dict[str, Any]) -> None:
     """Snapshot publishes take a while (a busy Redis, a held connection lock)."""
     frame = message.get("frame", {})
     if frame.get("type") == "turn_snapshot":
         in_flight.append(frame)
-        await asyncio.sleep(SLOW_SECONDS)
+        if held:
+            await held[0].wait()
+        else:
+            await asyncio.sleep(SLOW_SECONDS)
 
 
 class SlowInMemoryLayer(InMemoryChannelLayer):
@@ -45,36 +53,13 @@ class SlowRedisLayer(RedisPubSubLayer):
         await self._get_layer().group_send(group, message)
 
 
-# Snapshot publishes wait for this while it is set (the answer's commit must not wait for them).
-held: list[asyncio.Event] = []
-
-
-async def _held(message: dict[str, Any]) -> None:
-    frame = message.get("frame", {})
-    if frame.get("type") == "turn_snapshot" and held:
-        in_flight.append(frame)
-        await held[0].wait()
-
-
-class HeldInMemoryLayer(InMemoryChannelLayer):
-    async def group_send(self, group: str, message: dict[str, Any]) -> None:
-        await _held(message)
-        await super().group_send(group, message)
-
-
-class HeldRedisLayer(RedisPubSubLayer):
-    async def group_send(self, group: str, message: dict[str, Any]) -> None:
-        await _held(message)
-        await self._get_layer().group_send(group, message)
-
-
-def _layers(kind: str, request: pytest.FixtureRequest, slow: str = "Slow") -> dict[str, Any]:
+def _layers(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:
     if kind == "memory":
-        return {"default": {"BACKEND": f"{__name__}.{slow}InMemoryLayer"}}
+        return {"default": {"BACKEND": f"{__name__}.SlowInMemoryLayer"}}
     redis_url = request.getfixturevalue("redis_url")
     return {
         "default": {
-            "BACKEND": f"{__name__}.{slow}RedisLayer",
+            "BACKEND": f"{__name__}.SlowRedisLayer",
             "CONFIG": {"hosts": [redis_url], "prefix": f"snapdel{id(request)}"},
         }
     }
@@ -138,7 +123,7 @@ async def test_the_answer_is_committed_while_its_last_snapshot_is_still_on_its_w
     in_flight.clear()
     held[:] = [asyncio.Event()]
     try:
-        with override_settings(CHANNEL_LAYERS=_layers(kind, request, slow="Held")):
+        with override_settings(CHANNEL_LAYERS=_layers(kind, request)):
             engine = await make_engine()
             session = await make_dialog(user)
             rec = await recorder(chat_group_of(session), publish.session_group(session.pk))

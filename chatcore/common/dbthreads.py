@@ -161,6 +161,11 @@ class Batch(Generic[I, R]):
                 for _item, future in batch:
                     _settle(future, False, exc)
                 continue
+            except BaseException as exc:  # the trip itself ended (shutdown): tell everyone
+                for _item, future in batch + pending.items:
+                    _settle(future, False, exc)
+                pending.items.clear()
+                raise
             for (_item, future), result in zip(batch, results, strict=True):
                 _settle(future, True, result)
 

@@ -16,7 +16,7 @@ from chatcore.engine.sessions import SessionStates
 from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
 from sessions_app.models import Compaction, Message, Session, Turn
 from tests.api_helpers import bearer_api, engine_with, error_of
-from tests.engine_helpers import chat_group_of, make_dialog, send
+from tests.engine_helpers import chat_group_of, history, make_dialog, send
 from tests.fakemodel import Reply
 from tests.test_fairness import (
     chat_cfg,
@@ -242,6 +242,113 @@ async def test_a_burst_of_sends_is_charged_exactly_in_one_round_trip_to_redis(
         with pytest.raises(RateLimited):
             await limits.acharge(7373, limits.SEND, cfg)
         await limits.acharge(7374, limits.SEND, cfg)
+
+
+@pytest.mark.redis
+async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_nothing(
+    make_engine: Any, fake_model: Any, user: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: F7, G6 (with a cache server a send's charge runs beside its admission, whose
+    # transaction waits for it: a refusal that comes back after the admission's statements
+    # still rolls them back; a counter seen over its budget refuses the next send at once,
+    # with no round trip and no admission)
+    import time
+    import types
+    import uuid
+
+    from chatcore.common.errors import RateLimited
+    from chatcore.engine import limits
+
+    fixed = 1_800_000_000.0 - 40
+    monkeypatch.setattr(limits, "time", types.SimpleNamespace(time=lambda: fixed))
+    real = limits._COUNTS.run_many
+    trips: list[int] = []
+
+    def slow(keys: list[str]) -> list[int]:
+        time.sleep(0.3)  # longer than the admission's statements: they wait for it
+        trips.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(limits._COUNTS, "run_many", slow)
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
+        async with engine_with(make_engine, RATE_LIMIT_PER_MINUTE=2) as engine:
+            session = await make_dialog(user)
+            fake_model.script(Reply(text="one"), Reply(text="two"))
+            for text in ("first", "second"):
+                ack = await send(engine, session, text)
+                assert ack.turn_id is not None
+                await engine.wait_idle(session.pk)
+
+            def stored() -> tuple[int, int, int, int]:
+                row = Session.objects.get(pk=session.pk)
+                return (
+                    Turn.objects.filter(session_id=session.pk).count(),
+                    Message.objects.filter(session_id=session.pk).count(),
+                    row.last_seq,
+                    row.state_version,
+                )
+
+            before = await sync_to_async(stored)()
+            with pytest.raises(RateLimited) as refused:
+                await send(engine, session, "third")
+            assert refused.value.retry_after == 40
+            assert await sync_to_async(stored)() == before
+            assert trips == [1, 1, 1]
+
+            def unreachable(keys: list[str]) -> list[int]:
+                raise AssertionError("a send known over its budget went to the cache server")
+
+            monkeypatch.setattr(limits._COUNTS, "run_many", unreachable)
+            with pytest.raises(RateLimited):
+                await send(engine, session, "fourth")
+            assert await sync_to_async(stored)() == before
+            assert [m.content for m in await history(session) if m.role == "user"] == [
+                "first",
+                "second",
+            ]
+
+
+@pytest.mark.redis
+async def test_a_burst_of_sends_wider_than_the_database_threads_waits_for_no_thread(
+    make_engine: Any,
+    fake_model: Any,
+    make_user: Any,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # covers: F7, G6 (admissions that wait for their charges hold every database thread; the
+    # charges' round trips to the cache server need none, so every send is admitted)
+    import time
+    import uuid
+
+    from chatcore.common import dbthreads
+    from chatcore.engine import limits
+
+    real = limits._COUNTS.run_many
+
+    def slow(keys: list[str]) -> list[int]:
+        time.sleep(0.2)
+        return real(keys)
+
+    monkeypatch.setattr(limits._COUNTS, "run_many", slow)
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    width = dbthreads.thread_count() * 2
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
+        async with engine_with(make_engine) as engine:
+            sessions = [
+                await make_dialog(await sync_to_async(make_user)(f"burst{i}")) for i in range(width)
+            ]
+            fake_model.script(*(Reply(text=f"answer {i}") for i in range(width)))
+            acks = await asyncio.wait_for(
+                asyncio.gather(*(send(engine, s, "hello") for s in sessions)), timeout=30
+            )
+            assert all(ack.turn_id is not None for ack in acks)
+            await engine.wait_idle()
+            turns = await sync_to_async(
+                lambda: Turn.objects.filter(session_id__in=[s.pk for s in sessions]).count()
+            )()
+            assert turns == width
 
 
 def test_the_socket_bound_falls_back_to_the_process_when_redis_is_down() -> None:

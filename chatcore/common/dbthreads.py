@@ -125,10 +125,12 @@ class Lane:
 
 class Batch(Generic[I, R]):
     """Items asked for while one of its trips is under way go together in the next trip
-    (at most `max_batch`): `run_many(items)` on a database thread, one result per item, in
-    order; its error is every item's. For work whose per-call cost dwarfs the per-item one
-    (a round trip to a cache server): a burst of calls costs a few trips, not one each.
-    State is per event loop."""
+    (at most `max_batch`): `run_many(items)` on a thread of its own (trips of a loop run one
+    after another, so one thread serves them), one result per item, in order; its error is
+    every item's. For work whose per-call cost dwarfs the per-item one (a round trip to a
+    cache server): a burst of calls costs a few trips, not one each. Its trips never wait
+    for a database thread, so a transaction on one may wait for an item (an admission for
+    its send-rate charge, `limits.PendingCharge`). State is per event loop."""
 
     def __init__(
         self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256
@@ -139,6 +141,19 @@ class Batch(Generic[I, R]):
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pending[I, R]] = (
             weakref.WeakKeyDictionary()
         )
+        self._thread: ThreadPoolExecutor | None = None
+
+    def _trip(self) -> Callable[[list[I]], Coroutine[Any, Any, list[R]]]:
+        if self._thread is None:
+            with _lock:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix=f"chat-{self.name}"
+                    )
+        return sync_to_async(self._run_many, thread_sensitive=False, executor=self._thread)
+
+    def _run_many(self, items: list[I]) -> list[R]:
+        return self.run_many(items)
 
     async def run(self, item: I) -> R:
         if getattr(AsyncToSync.executors, "current", None) is not None:
@@ -156,7 +171,7 @@ class Batch(Generic[I, R]):
             batch = pending.items[: self.max_batch]
             del pending.items[: self.max_batch]
             try:
-                results = await on_db(self.run_many)([item for item, _f in batch])
+                results = await self._trip()([item for item, _f in batch])
             except Exception as exc:
                 for _item, future in batch:
                     _settle(future, False, exc)

@@ -172,6 +172,14 @@ class Engine:
     async def submit(self, inbound: Inbound, session: Session) -> Ack:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         await check_inbound(inbound, session, cfg=self.cfg, closing=self.closing)
+        # F7: the send rate. With a cache server the charge's round trip runs beside the
+        # admission, whose transaction waits for it before committing (a refusal rolls it
+        # back); SQLite's write lane would hold every admission of its batch for it, so
+        # there the charge comes first.
+        charged = await limits.charge_beside(inbound.owner.pk, limits.SEND, self.cfg)
+        if charged is not None and self.writes is not None:
+            await charged.result()
+            charged = None
         # G6: a send to a dialog this process does not run now may start its turn in the
         # admitting transaction (`queue.admit_and_start`), and so may one to a dialog whose
         # worker here lingers after its last turn (under that worker's lease, handed to it);
@@ -181,7 +189,13 @@ class Engine:
         # A4: retries of the write wait on the loop, not on the database thread.
         ack, started = await storage.astorage_retry(
             lambda: queue.admit_and_start(
-                inbound, session, cfg=self.cfg, states=self.states, start_as=start_as, held=held
+                inbound,
+                session,
+                cfg=self.cfg,
+                states=self.states,
+                start_as=start_as,
+                held=held,
+                before_commit=charged.wait if charged is not None else None,
             ),
             what="admit",
             session=session,

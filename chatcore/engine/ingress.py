@@ -118,7 +118,8 @@ async def check_inbound(
     inbound: Inbound, session: Session, *, cfg: dict[str, Any], closing: bool
 ) -> None:
     """Every refusal of a send/steer/inject before anything is stored: shutdown, mode,
-    content, id length, a read-only linked dialog, the owner's send rate (F7)."""
+    content, id length, a read-only linked dialog. The owner's send rate (F7) is charged
+    beside the admission (`Engine.submit`, `limits.charge_beside`)."""
     if closing:
         raise ShuttingDown()
     if inbound.mode not in MODES:
@@ -136,7 +137,6 @@ async def check_inbound(
     ):
         # A chat-app dialog linked read-only to this web user.
         raise ReadOnlyDialog()
-    await limits.acharge(inbound.owner.pk, limits.SEND, cfg)
 
 
 async def check_model_work(owner: User, *, cfg: dict[str, Any], closing: bool) -> None:

@@ -19,12 +19,14 @@ settings (an engine keeps the settings it started with) pass their own `cfg`:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from asgiref.sync import AsyncToSync
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.cache import caches
@@ -35,7 +37,7 @@ from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from chatcore.common.dbthreads import Batch
-from chatcore.common.errors import RateLimited
+from chatcore.common.errors import RateLimited, ShuttingDown
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
 from sessions_app.rows import cursor as sql_cursor
@@ -110,6 +112,33 @@ def _write_message() -> str:
     return _("Too many changes to your dialogs; slow down.")
 
 
+# Counters this process saw over their budget, with the count it saw: a counter only grows
+# within its minute, so the next request against it is refused here, with no round trip (nor,
+# for a send, the admission that would have run beside it: `charge_beside`). Keys name their
+# minute; the map is emptied when the minute changes.
+_over: dict[str, int] = {}
+_over_minute = 0
+
+
+def _known_over(key: str, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
+    global _over_minute
+    minute = int(now // 60)
+    if minute != _over_minute:
+        _over.clear()
+        _over_minute = minute
+    seen = _over.get(key)
+    if seen is not None:
+        _refuse_over(seen, budget, cfg, now)
+
+
+def _counted(key: str, count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
+    try:
+        _refuse_over(count, budget, cfg, now)
+    except RateLimited:
+        _over[key] = count
+        raise
+
+
 async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
 
     if isinstance(caches["default"], LocMemCache):
@@ -119,7 +148,59 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
         return
     # A cache server (scaled mode): off the loop, with the charges made meanwhile.
     now = time.time()
-    _refuse_over(await _COUNTS.run(_budget_key(user_id, budget, now)), budget, cfg, now)
+    key = _budget_key(user_id, budget, now)
+    _known_over(key, budget, cfg, now)
+    _counted(key, await _COUNTS.run(key), budget, cfg, now)
+
+
+class PendingCharge:
+    """A send-rate charge on its way to the cache server while the send's admission runs
+    (`charge_beside`). The admitting transaction calls `wait()` on its database thread just
+    before it commits: by then the charge is back (its round trip is shorter than the
+    admission's statements), and a refusal raises there, so the transaction rolls back and
+    the send changes nothing, as if it had been refused first."""
+
+    def __init__(self, task: asyncio.Task[None]) -> None:
+        self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            self._done.set_exception(ShuttingDown())
+        elif (exc := task.exception()) is not None:
+            self._done.set_exception(exc)
+        else:
+            self._done.set_result(None)
+
+    def wait(self) -> None:
+        """Blocks until the charge is back; raises its refusal or error. A database thread's
+        call, from inside the admitting transaction."""
+        self._done.result()
+
+    async def result(self) -> None:
+        """The same, awaited on the event loop."""
+        await asyncio.wrap_future(self._done)
+
+
+async def charge_beside(
+    user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None
+) -> PendingCharge | None:
+    """`acharge`, for a request whose admission can run meanwhile (G6: a send's first token
+    does not wait for the cache server's round trip first). With a cache server, the charge
+    goes out and a `PendingCharge` comes back for the admitting transaction to wait on; in
+    process memory, or for a synchronous caller (whose admission runs on its own thread, the
+    one the charge would need), the charge is made here and None comes back."""
+    if isinstance(caches["default"], LocMemCache) or (
+        getattr(AsyncToSync.executors, "current", None) is not None
+    ):
+        await acharge(user_id, budget, cfg)
+        return None
+    now = time.time()
+    _known_over(_budget_key(user_id, budget, now), budget, cfg, now)
+    task = asyncio.get_running_loop().create_task(
+        acharge(user_id, budget, cfg), name=f"charge:{user_id}"
+    )
+    return PendingCharge(task)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------

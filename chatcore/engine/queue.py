@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -295,6 +296,7 @@ def admit_and_start(
     states: SessionStates,
     start_as: str | None,
     held: Lease | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> tuple[Ack, Started | None]:
     """`admit`, and for a send to an idle dialog whose lease is free, start its turn in the
     same transaction (G6: one round trip before the context is read): take the lease for
@@ -310,33 +312,40 @@ def admit_and_start(
     F7's slot counts, the turn inserted running, the user message, and one update of the
     dialog's row (turn counter, lease, revision); on PostgreSQL three: the dialog's and the
     owner's rows locked, then the counts, then the last three writes as one statement
-    (`rows.merged`)."""
+    (`rows.merged`).
+
+    `before_commit`: run last inside the transaction (a send-rate charge under way,
+    `limits.PendingCharge.wait`); raising rolls everything back."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
-        confirmed = time.monotonic()
         with transaction.atomic():
-            may_start = inbound.mode in ("send", "steer") and (
-                held is not None or start_as is not None
+            admitted = decide()
+            if before_commit is not None:
+                before_commit()
+            return admitted
+
+    def decide() -> tuple[Ack, services.Appended | None, Started | None]:
+        confirmed = time.monotonic()
+        may_start = inbound.mode in ("send", "steer") and (held is not None or start_as is not None)
+        slot = (session.channel, session.chat_id, inbound.received_at) if may_start else None
+        live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot)
+        if inbound.accept is not None:
+            inbound.accept()
+        idle_send = inbound.mode in ("send", "steer") and not state.busy
+        if held is not None and state.staged:
+            # The worker that holds the lease has not yet dealt with what its last turn
+            # left staged (`after_turn_staged`): the turn queues behind it, in order.
+            idle_send = False
+        owner = held.owner if held is not None else start_as
+        if owner is not None and idle_send:
+            started = _start_locked(
+                inbound, live, state, owner=owner, cfg=cfg, confirmed=confirmed, held=held
             )
-            slot = (session.channel, session.chat_id, inbound.received_at) if may_start else None
-            live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot)
-            if inbound.accept is not None:
-                inbound.accept()
-            idle_send = inbound.mode in ("send", "steer") and not state.busy
-            if held is not None and state.staged:
-                # The worker that holds the lease has not yet dealt with what its last turn
-                # left staged (`after_turn_staged`): the turn queues behind it, in order.
-                idle_send = False
-            owner = held.owner if held is not None else start_as
-            if owner is not None and idle_send:
-                started = _start_locked(
-                    inbound, live, state, owner=owner, cfg=cfg, confirmed=confirmed, held=held
-                )
-                if started is not None:
-                    ack = Ack(live, str(started.turn.pk), 0, "send", inbound.client_msg_id)
-                    return ack, started.appended, started
-            ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
-            return ack, appended, None
+            if started is not None:
+                ack = Ack(live, str(started.turn.pk), 0, "send", inbound.client_msg_id)
+                return ack, started.appended, started
+        ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
+        return ack, appended, None
 
     ack, appended, started = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:

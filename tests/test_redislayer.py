@@ -89,6 +89,82 @@ async def test_every_caller_of_a_failed_batch_gets_the_error(redis_url: str) -> 
         await layer.flush()
 
 
+async def test_frames_for_this_layers_consumers_do_not_go_round_through_redis(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: D1, D2, G6 (a process's own clients get its frames without Redis's round trip,
+    # once each and in order; the other process gets them through Redis, once each)
+    here, there = _layers(redis_url)
+    try:
+        mine = await here.new_channel()
+        theirs = await there.new_channel()
+        await here.group_add("sess.local", mine)
+        await there.group_add("sess.local", theirs)
+        await here.group_send("sess.local", {"type": "x", "n": 0})  # both subscribed
+        assert (await asyncio.wait_for(there.receive(theirs), 5))["n"] == 0
+        assert (await here.receive(mine))["n"] == 0
+
+        held = asyncio.Event()
+        real_execute = Pipeline.execute
+
+        async def execute(self: Pipeline, *args: object, **kwargs: object) -> object:
+            await held.wait()  # Redis is slow: nothing published is back yet
+            return await real_execute(self, *args, **kwargs)
+
+        monkeypatch.setattr(Pipeline, "execute", execute)
+        sends = [
+            asyncio.ensure_future(here.group_send("sess.local", {"type": "x", "n": n}))
+            for n in (1, 2)
+        ]
+        direct = asyncio.ensure_future(here.send(mine, {"type": "x", "n": 3}))
+        got = [(await asyncio.wait_for(here.receive(mine), 1))["n"] for _ in range(3)]
+        assert got == [1, 2, 3]
+        held.set()
+        await asyncio.gather(*sends, direct)
+        got = [(await asyncio.wait_for(there.receive(theirs), 5))["n"] for _ in range(2)]
+        assert got == [1, 2]
+        # The frames' way back from Redis to the layer that sent them is not a second copy.
+        await here.group_send("sess.local", {"type": "x", "n": 4})
+        assert (await asyncio.wait_for(there.receive(theirs), 5))["n"] == 4
+        assert (await here.receive(mine))["n"] == 4
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(here.receive(mine), 0.3)
+    finally:
+        await here.flush()
+        await there.flush()
+
+
+async def test_the_watchs_ping_crosses_redis_and_older_layers_frames_arrive(
+    redis_url: str,
+) -> None:
+    # covers: G5 (the layer watch's ping to its own channel still tests Redis's delivery);
+    # a frame of a layer without origin tags (a rolling deploy) is delivered as it is
+    from channels_redis.pubsub import RedisPubSubChannelLayer
+
+    layer, _other = _layers(redis_url)
+    older = RedisPubSubChannelLayer(hosts=[redis_url], prefix=layer._kwargs["prefix"])
+    try:
+        channel = await layer.new_channel()
+        await layer.group_add("sess.mixed", channel)
+        shard = layer._get_layer()._shards[0]
+        published: list[str] = []
+        real_publish = shard.publish
+
+        async def publish(name: str, message: bytes) -> None:
+            published.append(name)
+            await real_publish(name, message)
+
+        shard.publish = publish  # type: ignore[method-assign]
+        await layer.send_by_server(channel, {"type": "watch.ping", "seq": 1})
+        assert (await asyncio.wait_for(layer.receive(channel), 5))["seq"] == 1
+        assert published == [channel]
+        await older.group_send("sess.mixed", {"type": "x", "n": 7})
+        assert (await asyncio.wait_for(layer.receive(channel), 5))["n"] == 7
+    finally:
+        await layer.flush()
+        await older.flush()
+
+
 class _Broken:
     """A pipeline whose server is gone."""
 

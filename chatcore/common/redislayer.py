@@ -12,13 +12,24 @@ to be sent and gets its own error, and a publish is on its way the moment it is 
 caller cancelled meanwhile does not take it back. Subscriptions keep the shard's lock, which
 a batch takes once.
 
-Delivery is unchanged: Redis pub/sub, at most once; a frame lost with a connection is the
-layer watch's business (`engine/layerwatch.py`).
+Frames for this process's own consumers do not go round through Redis: a group send puts
+the frame in the queue of every member of the group on this layer at once (then publishes it
+for the other processes), and a send to a channel of this layer is delivered without a
+publish. Every publish carries the layer's origin tag, and a frame that comes back to the
+layer that sent it (it subscribes to the same groups) is dropped: it was delivered when sent.
+One consumer's frames keep their order, local and remote alike (each path is in send order);
+the layer watch's pings, which exist to cross Redis, go through it (`send_by_server`). A
+frame without a tag (a layer of an older release during a rolling deploy) is delivered as it
+comes.
+
+Delivery across processes is unchanged: Redis pub/sub, at most once; a frame lost with a
+connection is the layer watch's business (`engine/layerwatch.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from channels_redis.pubsub import (
@@ -30,6 +41,13 @@ from channels_redis.utils import _wrap_close, decode_hosts
 
 # Publishes sent in one pipeline at most (a larger outbox goes in several, in order).
 MAX_BATCH = 256
+
+# A tagged frame: this marker (0xc1, a byte msgpack never uses; the serializer's encrypted
+# form is base64 text), the sending layer's 16-byte origin, then the serialized message.
+_MARK = b"\xc1"
+_TAG_LENGTH = 1 + 16
+# The origin of frames that must be delivered even to the layer that sent them.
+_NOBODY = _MARK + bytes(16)
 
 
 class PipelinedShardConnection(RedisSingleShardConnection):
@@ -66,15 +84,54 @@ class PipelinedShardConnection(RedisSingleShardConnection):
                 if not sent.done():
                     sent.set_result(None)
 
+    def _receive_message(self, message: Any) -> None:
+        if message is None:
+            return
+        data = message["data"]
+        if isinstance(data, bytes) and data[:1] == _MARK:
+            if data[:_TAG_LENGTH] == self.channel_layer.origin:
+                return  # sent by this layer, which delivered it to its own consumers then
+            message["data"] = data[_TAG_LENGTH:]
+        super()._receive_message(message)
+
 
 class PipelinedLoopLayer(RedisPubSubLoopLayer):
     def __init__(self, hosts: Any = None, **kwargs: Any) -> None:
         super().__init__(hosts, **kwargs)
         self._shards = [PipelinedShardConnection(host, self) for host in decode_hosts(hosts)]
+        # Per loop layer, not per process: another loop's layer of this process has its own
+        # consumers, which hear this one's frames through Redis.
+        self.origin = _MARK + uuid.uuid4().bytes
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        data = self.channel_layer.serialize(message)
+        queue = self.channels.get(channel)
+        if queue is not None:
+            queue.put_nowait(data)
+            return
+        await self._get_shard(channel).publish(channel, self.origin + data)
+
+    async def send_by_server(self, channel: str, message: dict[str, Any]) -> None:
+        """`send` through Redis even to a channel of this layer (the layer watch's ping)."""
+        data = self.channel_layer.serialize(message)
+        await self._get_shard(channel).publish(channel, _NOBODY + data)
+
+    async def group_send(self, group: str, message: dict[str, Any]) -> None:
+        group_channel = self._get_group_channel_name(group)
+        data = self.channel_layer.serialize(message)
+        for name in self.groups.get(group_channel, ()):
+            queue = self.channels.get(name)
+            if queue is not None:
+                queue.put_nowait(data)
+        await self._get_shard(group_channel).publish(group_channel, self.origin + data)
 
 
 class RedisPubSubLayer(RedisPubSubChannelLayer):
-    """`RedisPubSubChannelLayer` whose per-loop layers pipeline their publishes."""
+    """`RedisPubSubChannelLayer` whose per-loop layers pipeline their publishes and deliver
+    their own consumers' frames directly."""
+
+    async def send_by_server(self, channel: str, message: dict[str, Any]) -> None:
+        await self._get_layer().send_by_server(channel, message)
 
     def _get_layer(self) -> PipelinedLoopLayer:
         loop = asyncio.get_running_loop()

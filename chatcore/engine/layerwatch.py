@@ -56,11 +56,14 @@ class LayerWatch:
         # lost; a ping that is only late (a busy loop, a slow Redis) is not an outage.
         missing: dict[int, float] = {}
         seq = 0
+        # The ping must cross the layer's server even though its channel is this process's
+        # (the Redis layer delivers its own consumers' frames directly otherwise).
+        send = getattr(layer, "send_by_server", layer.send)
         while True:
             seq += 1
             try:
                 await asyncio.wait_for(
-                    layer.send(channel, {"type": "watch.ping", "seq": seq}), self.timeout
+                    send(channel, {"type": "watch.ping", "seq": seq}), self.timeout
                 )
             except asyncio.CancelledError:
                 raise

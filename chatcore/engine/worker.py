@@ -166,11 +166,13 @@ class Workers:
         self._wakeups[session_pk] = asyncio.Event()
         self._leases[session_pk] = started.lease
         try:
-            if started.appended is not None:
-                self._announce(started.appended, started.turn)
+            # The worker first: its context read is under way while the delta goes out (it
+            # reaches the clients before any snapshot, which waits for that read).
             self.tasks[session_pk] = self.supervisor.spawn(
                 f"worker:{session_pk}", self._worker(session_pk, first=started)
             )
+            if started.appended is not None:
+                self._announce(started.appended, started.turn)
         except ShuttingDown:
             # The turn stays marked running; the next holder of the lease closes it (C11).
             self._leases.pop(session_pk, None)
@@ -193,9 +195,9 @@ class Workers:
         `start_claimed`. Should the worker have ended meanwhile (its lease lost, shutdown),
         the turn is left to the next holder of the lease, which closes it (C11)."""
         session_pk = started.session.pk
-        if started.appended is not None:
-            self._announce(started.appended, started.turn)
         if not self.running(session_pk):
+            if started.appended is not None:
+                self._announce(started.appended, started.turn)
             logger.warning(
                 "the worker a started turn was handed to has ended",
                 extra={"session_id": started.session.session_id, "turn_id": str(started.turn.pk)},
@@ -203,7 +205,10 @@ class Workers:
             await self.kick(session_pk)
             return
         self._handed[session_pk] = started
+        # The worker wakes first, as in `start_claimed`.
         self._wakeups[session_pk].set()
+        if started.appended is not None:
+            self._announce(started.appended, started.turn)
 
     def _announce(self, appended: services.Appended, turn: Turn) -> None:
         self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))

@@ -243,3 +243,59 @@ async def test_no_statement_runs_while_the_answer_streams(
     await engine.wait_idle(session.pk)
     assert text == answer
     assert statements == [], "\n".join(statements)
+
+
+async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_claim(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6, C1, C3 (the after-turn read that checks the lease and staged inputs also
+    # says whether turns are queued: with none, the worker claims nothing; a turn another
+    # process queued while the answer ran, which no kick of ours announced, runs next)
+    from asgiref.sync import sync_to_async
+    from django.conf import settings as live
+
+    from chatcore.engine import queue
+    from chatcore.engine.ingress import Inbound
+    from chatcore.engine.sessions import SessionStates
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="after-turn")
+    session = await make_dialog(user)
+    claims: list[str] = []
+    claim_next = queue.claim_next
+
+    def spy_claim_next(session_pk: str, *args: Any, **kwargs: Any) -> Any:
+        claims.append(session_pk)
+        return claim_next(session_pk, *args, **kwargs)
+
+    monkeypatch.setattr(queue, "claim_next", spy_claim_next)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="first answer"))
+    first = await send(engine, session, "one")
+    assert (await rec.terminal(first.turn_id))["status"] == "completed"
+    await engine.wait_idle(session.pk)
+    assert claims == []
+
+    gate = threading.Event()
+    fake_model.script(Reply(text="second answer", gate=gate), Reply(text="third answer"))
+    second = await send(engine, session, "two")
+    await fake_model.requests_made(2)
+    elsewhere = Inbound(
+        owner=user, channel="web", chat_id=session.chat_id, content="three", sender_id="s"
+    )
+    # Admitted as another process admits it: queued behind the running turn, no kick here.
+    third = await sync_to_async(queue.admit)(
+        elsewhere, session, cfg=live.CHAT, states=SessionStates()
+    )
+    assert third.position == 1
+    gate.set()
+    assert (await rec.terminal(second.turn_id))["status"] == "completed"
+    assert (await rec.terminal(third.turn_id))["status"] == "completed"
+    await engine.wait_idle(session.pk)
+    assert claims == [session.pk]  # the third turn's claim, and no read after it
+    contents = [
+        m.content
+        async for m in session.messages.order_by("seq").exclude(role="system")
+        if m.content
+    ]
+    assert contents == ["one", "first answer", "two", "second answer", "three", "third answer"]

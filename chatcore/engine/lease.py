@@ -110,19 +110,24 @@ class Lease:
         `waiting`: whether the dialog has rows of that kind waiting (queued turns, staged
         inputs), read in the same statement and returned (else True). It runs after every
         turn and at every step boundary, so it is written in SQL."""
-        found = f"EXISTS ({waiting.sql('s')})" if waiting else "1"
+        return self.waiting(*(() if waiting is None else (waiting,)))[0]
+
+    def waiting(self, *kinds: Waiting) -> tuple[bool, ...]:
+        """`confirm` for several kinds of waiting rows at once: one statement, whether each
+        has rows (in the order given; none given, a one-element True)."""
+        found = ", ".join(f"EXISTS ({kind.sql('s')})" for kind in kinds) or "1"
         sql = (
             f'SELECT {found} FROM "{_SESSIONS}" s'  # noqa: S608 (our own tables)
             ' WHERE s."id" = %s AND s."lease_owner" = %s AND s."lease_epoch" = %s'
         )
-        params = [*(waiting.params if waiting else ()), self.session_pk, self.owner, self.epoch]
+        params = [*(p for kind in kinds for p in kind.params), self.session_pk]
         with sql_cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, [*params, self.owner, self.epoch])
             row = cursor.fetchone()
         if row is None:
             self.lost = True
             raise LeaseLost(self.session_pk)
-        return bool(row[0])
+        return tuple(bool(value) for value in row)
 
     def current_on(self, locked: Session, now: datetime) -> bool:
         """Whether the row the caller has just locked still shows this lease, unexpired."""

@@ -701,24 +701,30 @@ def recover_interrupted(
 
 def after_turn_staged(
     turn: Turn, result: CommitResult, fence: Lease, *, states: SessionStates, cfg: dict[str, Any]
-) -> None:
+) -> bool:
     """Inputs staged after the last boundary are never lost: injects enter history now;
     steers after a completed turn become sends (C4: when idle, steer is a send); after a
-    failure steers stay staged for the next send or retry; a stop dropped them."""
-    if not lease.STAGED_INPUTS.of(turn.session_id):
-        return
+    failure steers stay staged for the next send or retry; a stop dropped them.
+
+    It reads, in the statement that checks the lease (G2), whether anything is staged and
+    whether turns are queued, and returns False only when neither is: the worker then has
+    nothing to claim (`claim_next`'s read) unless a kick came since (G6: one statement after
+    a turn, not two)."""
+    staged_any, queued = fence.waiting(lease.STAGED_INPUTS, lease.QUEUED_TURNS)
+    if not staged_any:
+        return queued
     if lease.RUNNING_TURNS.of(turn.session_id):
         # The next turn already runs (a send that came as this one ended, started under
         # the same lease: `admit_and_start`, which starts no turn while inputs are staged):
         # what is staged now was staged for it, and it takes it at its first boundary.
-        return
+        return True
     staged = list(
         StagedInput.objects.filter(
             session_id=turn.session_id, status=StagedInput.Status.STAGED
         ).order_by("received_at")
     )
     if not staged:
-        return
+        return True
     injects = [s for s in staged if s.mode == StagedInput.Mode.INJECT]
     if injects and result.reason != "stale":
         appended = services.messages_append(
@@ -755,6 +761,7 @@ def after_turn_staged(
                     received_at=s.received_at,
                 )
                 StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
+    return True
 
 
 @dataclass

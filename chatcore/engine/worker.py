@@ -106,6 +106,9 @@ class Workers:
         self._between: set[str] = set()
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
+        # Dialogs whose last turn's after-turn read found nothing queued or staged
+        # (`queue.after_turn_staged`): unless a kick came since, their worker claims nothing.
+        self._found_empty: set[str] = set()
 
     @property
     def closing(self) -> bool:
@@ -226,6 +229,11 @@ class Workers:
                 await self._run_turn(first)
                 self._wake_waiting(first.turn)
             while not self.closing:
+                # Nothing was queued at the last turn's end and no kick came since: no read
+                # to claim nothing. (A turn another process queued meanwhile, which could not
+                # wake us, is found by the release's check after the linger, as before.)
+                empty = session_pk in self._found_empty and not wake.is_set()
+                self._found_empty.discard(session_pk)
                 wake.clear()
                 handed = self._handed.pop(session_pk, None)
                 if handed is not None:
@@ -234,11 +242,15 @@ class Workers:
                     self._wake_waiting(handed.turn)
                     continue
                 self._between.add(session_pk)
-                turn = await storage.astorage_retry(
-                    functools.partial(
-                        queue.claim_next, session_pk, held, cfg=self.cfg, states=self.states
-                    ),
-                    what="claim",
+                turn = (
+                    None
+                    if empty
+                    else await storage.astorage_retry(
+                        functools.partial(
+                            queue.claim_next, session_pk, held, cfg=self.cfg, states=self.states
+                        ),
+                        what="claim",
+                    )
                 )
                 if isinstance(turn, queue.Started):
                     self._between.discard(session_pk)
@@ -284,6 +296,7 @@ class Workers:
             self.tasks.pop(session_pk, None)
             self._between.discard(session_pk)
             self._handed.pop(session_pk, None)
+            self._found_empty.discard(session_pk)
             self._wakeups.pop(session_pk, None)
             self._leases.pop(session_pk, None)
             if not held.released and not held.lost:
@@ -623,13 +636,20 @@ class Workers:
                     "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
                 )
                 await reset_db()
+        # A kick from here on (a send queued behind this turn) is the worker's to see; one
+        # before was for a turn the read below finds.
+        wake = self._wakeups.get(session.pk)
+        if wake is not None:
+            wake.clear()
         try:
-            await storage.astorage_retry(
+            waiting = await storage.astorage_retry(
                 lambda: queue.after_turn_staged(
                     turn, result, fence, states=self.states, cfg=self.cfg
                 ),
                 what="after_turn",
             )
+            if not waiting:
+                self._found_empty.add(session.pk)
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
 

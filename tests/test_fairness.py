@@ -370,6 +370,29 @@ async def test_the_running_turn_cap_holds_across_processes(
     assert len(fake_model.requests) == 6
 
 
+async def test_a_held_back_dialog_starts_as_soon_as_its_owners_turn_ends(
+    make_engine: Any, fake_model: Any, recorder: Any, user: Any
+) -> None:
+    # covers: F7 (the end of a turn starts the party's dialog waiting for a slot; the sweep,
+    # minutes away here, plays no part)
+    gate = threading.Event()
+    fake_model.default = _gated_for("first", gate)
+    with chat_cfg(USER_RUNNING_TURNS=1, LEASE_SECONDS=600, CHECKPOINT_SECONDS=600):
+        engine = await make_engine()
+    one, two = await make_dialog(user, "one"), await make_dialog(user, "two")
+    await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
+    rec = await recorder(chat_group_of(one))
+    first = await send(engine, one, "first")
+    await fake_model.requests_made(1)
+    second = await send(engine, two, "second")
+    await asyncio.sleep(0.3)  # room for its turn to start, if the cap leaked
+    held = await sync_to_async(Turn.objects.get)(pk=second.turn_id)
+    assert held.status == TurnStatus.QUEUED and len(fake_model.requests) == 1
+    gate.set()
+    done = await terminals(rec, [first.turn_id, second.turn_id], timeout=20)
+    assert [done[t]["status"] for t in (first.turn_id, second.turn_id)] == ["completed"] * 2
+
+
 async def test_on_an_external_platform_each_chat_has_its_own_slots(
     make_engine: Any, fake_model: Any, recorder: Any, user: Any
 ) -> None:

@@ -112,15 +112,22 @@ class Lease:
         turn and at every step boundary, so it is written in SQL."""
         return self.waiting(*(() if waiting is None else (waiting,)))[0]
 
-    def waiting(self, *kinds: Waiting) -> tuple[bool, ...]:
+    def waiting(
+        self, *kinds: Waiting, also: Sequence[tuple[str, list[Any]]] = ()
+    ) -> tuple[bool, ...]:
         """`confirm` for several kinds of waiting rows at once: one statement, whether each
-        has rows (in the order given; none given, a one-element True)."""
-        found = ", ".join(f"EXISTS ({kind.sql('s')})" for kind in kinds) or "1"
+        has rows (in the order given; none given, a one-element True), then the value of
+        each boolean expression of `also` (SQL and its parameters)."""
+        columns = [f"EXISTS ({kind.sql('s')})" for kind in kinds] + [sql for sql, _p in also]
         sql = (
-            f'SELECT {found} FROM "{_SESSIONS}" s'  # noqa: S608 (our own tables)
+            f'SELECT {", ".join(columns) or "1"} FROM "{_SESSIONS}" s'  # noqa: S608
             ' WHERE s."id" = %s AND s."lease_owner" = %s AND s."lease_epoch" = %s'
         )
-        params = [*(p for kind in kinds for p in kind.params), self.session_pk]
+        params = [
+            *(p for kind in kinds for p in kind.params),
+            *(p for _sql, values in also for p in values),
+            self.session_pk,
+        ]
         with sql_cursor() as cursor:
             cursor.execute(sql, [*params, self.owner, self.epoch])
             row = cursor.fetchone()

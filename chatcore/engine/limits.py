@@ -339,6 +339,22 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
     return rows[: max(0, free)]
 
 
+def waiting_elsewhere(turn: Turn) -> tuple[str, list[Any]]:
+    """After `turn` ended, as a boolean SQL expression (for a statement the after-turn step
+    runs anyway, `queue.after_turn_staged`): whether another dialog of its party waits for a
+    slot (queued turns, none running). Only then is `waiting_dialogs` worth its query; a
+    party rarely has one, so most turns end without it."""
+    session = turn.session
+    where, params = _party_sql("pt", "ps", turn.owner_id, session.channel, session.chat_id)
+    sql = (
+        f'EXISTS (SELECT 1 FROM "{_TURNS}" pt INNER JOIN "{_SESSIONS}" ps'  # noqa: S608
+        f' ON ps."id" = pt."session_id" WHERE {where} AND pt."status" = %s'
+        ' AND pt."session_id" <> %s AND NOT EXISTS (SELECT 1 FROM'
+        f' "{_TURNS}" pr WHERE pr."session_id" = pt."session_id" AND pr."status" = %s))'
+    )
+    return sql, [*params, TurnStatus.QUEUED, str(turn.session_id), TurnStatus.RUNNING]
+
+
 def not_held_back(qs: QuerySet[Session], cfg: Mapping[str, Any] | None = None) -> QuerySet[Session]:
     """Dialogs of `qs` except those whose party already runs the most turns allowed: the
     sweep leaves those alone (they start when one of the party's turns ends). A dialog with

@@ -699,32 +699,45 @@ def recover_interrupted(
     return results
 
 
+@dataclass(frozen=True)
+class AfterTurn:
+    """What the after-turn read found (`after_turn_staged`): whether the dialog may have
+    turns to claim, and whether another dialog of the turn's party waits for a slot (F7)."""
+
+    queued: bool
+    party_waiting: bool
+
+
 def after_turn_staged(
     turn: Turn, result: CommitResult, fence: Lease, *, states: SessionStates, cfg: dict[str, Any]
-) -> bool:
+) -> AfterTurn:
     """Inputs staged after the last boundary are never lost: injects enter history now;
     steers after a completed turn become sends (C4: when idle, steer is a send); after a
     failure steers stay staged for the next send or retry; a stop dropped them.
 
-    It reads, in the statement that checks the lease (G2), whether anything is staged and
-    whether turns are queued, and returns False only when neither is: the worker then has
-    nothing to claim (`claim_next`'s read) unless a kick came since (G6: one statement after
-    a turn, not two)."""
-    staged_any, queued = fence.waiting(lease.STAGED_INPUTS, lease.QUEUED_TURNS)
+    It reads, in the statement that checks the lease (G2), whether anything is staged,
+    whether turns are queued and whether the party has another dialog waiting for a slot
+    (`limits.waiting_elsewhere`). With nothing queued or staged the worker has nothing to
+    claim (`claim_next`'s read) unless a kick came since, and with no dialog waiting there
+    is none to start (`waiting_dialogs`'s query): G6, one statement after a turn, not three."""
+    staged_any, queued, party_waiting = fence.waiting(
+        lease.STAGED_INPUTS, lease.QUEUED_TURNS, also=[limits.waiting_elsewhere(turn)]
+    )
     if not staged_any:
-        return queued
+        return AfterTurn(queued=queued, party_waiting=party_waiting)
+    found = AfterTurn(queued=True, party_waiting=party_waiting)
     if lease.RUNNING_TURNS.of(turn.session_id):
         # The next turn already runs (a send that came as this one ended, started under
         # the same lease: `admit_and_start`, which starts no turn while inputs are staged):
         # what is staged now was staged for it, and it takes it at its first boundary.
-        return True
+        return found
     staged = list(
         StagedInput.objects.filter(
             session_id=turn.session_id, status=StagedInput.Status.STAGED
         ).order_by("received_at")
     )
     if not staged:
-        return True
+        return found
     injects = [s for s in staged if s.mode == StagedInput.Mode.INJECT]
     if injects and result.reason != "stale":
         appended = services.messages_append(
@@ -761,7 +774,7 @@ def after_turn_staged(
                     received_at=s.received_at,
                 )
                 StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
-    return True
+    return found
 
 
 @dataclass

@@ -109,6 +109,9 @@ class Workers:
         # Dialogs whose last turn's after-turn read found nothing queued or staged
         # (`queue.after_turn_staged`): unless a kick came since, their worker claims nothing.
         self._found_empty: set[str] = set()
+        # Dialogs whose last turn ended with no other dialog of its party waiting for a
+        # slot (the same read): `_wake_waiting` has none to look for.
+        self._party_idle: set[str] = set()
 
     @property
     def closing(self) -> bool:
@@ -297,6 +300,7 @@ class Workers:
             self._between.discard(session_pk)
             self._handed.pop(session_pk, None)
             self._found_empty.discard(session_pk)
+            self._party_idle.discard(session_pk)
             self._wakeups.pop(session_pk, None)
             self._leases.pop(session_pk, None)
             if not held.released and not held.lost:
@@ -363,6 +367,9 @@ class Workers:
         """`_start_waiting` as a task of its own: the dialog's next turn is claimed at once,
         not after that query (its place among the party's waiting dialogs is the claim's
         check, `limits.turn_may_start`)."""
+        if turn.session_id in self._party_idle:
+            self._party_idle.discard(turn.session_id)
+            return
         if self.closing:
             return
         try:
@@ -642,14 +649,16 @@ class Workers:
         if wake is not None:
             wake.clear()
         try:
-            waiting = await storage.astorage_retry(
+            found = await storage.astorage_retry(
                 lambda: queue.after_turn_staged(
                     turn, result, fence, states=self.states, cfg=self.cfg
                 ),
                 what="after_turn",
             )
-            if not waiting:
+            if not found.queued:
                 self._found_empty.add(session.pk)
+            if not found.party_waiting:
+                self._party_idle.add(session.pk)
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -189,10 +190,17 @@ class TurnContext:
     compaction: Compaction | None  # the newest (B5)
     window_start: int  # the seq the history window starts after (F7)
     notes: list[str]  # the newest memory notes, oldest first (C8)
+    # With `ahead`: the dialog's (last_seq, state_version) as the statement saw them.
+    revision: tuple[int, int] | None = None
 
 
 def turn_context(
-    *, session_pk: str, owner_id: int, max_chars: int, notes_limit: int = 20
+    *,
+    session_pk: str,
+    owner_id: int,
+    max_chars: int,
+    notes_limit: int = 20,
+    ahead: int | None = None,
 ) -> TurnContext:
     """What a turn's model input is read from besides its messages, in one statement (G6: one
     round trip before every first token; a single statement sees one state of the database
@@ -204,6 +212,11 @@ def turn_context(
       older ones are not), a running sum in the database, so a model input is read from a
       window bounded by the model's context rather than by the dialog's length (F7);
     - the owner's `notes_limit` newest memory notes, oldest first (C8).
+
+    `ahead`: read before a message of that many characters is appended (a send's turn
+    context read while its admission runs, `TurnInputBuilder.read_ahead`): the window is the
+    one that message's append will give, and the dialog's `last_seq` and `state_version`
+    come along (`revision`), for the reader to check that nothing else changed meanwhile.
 
     The parts are told apart by the first column; all of them use the compaction's columns
     (the window's boundary in `through_seq`, a note in `summary` and `created_at`), so every
@@ -230,25 +243,40 @@ def turn_context(
         f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
         ' ORDER BY n."created_at" DESC LIMIT %s) n'
     )
-    seq_at, summary_at, created_at = (
-        1 + names.index(name) for name in ("through_seq", "summary", "created_at")
+    # The message to come counts first in the running sum (it is the newest).
+    limit = max_chars if ahead is None else max_chars - ahead
+    params: list[Any] = [session_pk, session_pk, session_pk, limit, owner_id, notes_limit]
+    if ahead is not None:
+        sql += (
+            f" UNION ALL SELECT 3, {filled(through_seq='r.last_seq', id='r.state_version')}"  # noqa: S608
+            f' FROM "{Session._meta.db_table}" r WHERE r."id" = %s'
+        )
+        params.append(session_pk)
+    seq_at, summary_at, created_at, id_at = (
+        1 + names.index(name) for name in ("through_seq", "summary", "created_at", "id")
     )
-    compaction, boundary, newest_first = None, None, []
+    compaction, boundary, revision, newest_first = None, None, None, []
     with sql_cursor() as cursor:
-        cursor.execute(sql, [session_pk, session_pk, session_pk, max_chars, owner_id, notes_limit])
+        cursor.execute(sql, params)
         for row in cursor.fetchall():
             part = int(row[0])
             if part == 0:
                 compaction = from_row(Compaction, row[1:])
             elif part == 1:
                 boundary = int(row[seq_at])
+            elif part == 3:
+                revision = (int(row[seq_at]), int(row[id_at]))
             else:
                 # Their stored times order them (one database's values, compared as read).
                 newest_first.append((row[created_at], row[summary_at]))
     after_seq = compaction.through_seq if compaction is not None else 0
     window = after_seq if boundary is None else max(after_seq, boundary - 1)
+    if limit < 0 and revision is not None:
+        # The message to come crosses the limit by itself: the window holds only it.
+        window = max(after_seq, revision[0])
     newest_first.sort(key=lambda note: note[0], reverse=True)
-    return TurnContext(compaction, window, [content for _at, content in reversed(newest_first)])
+    notes_oldest_first = [content for _at, content in reversed(newest_first)]
+    return TurnContext(compaction, window, notes_oldest_first, revision)
 
 
 def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:

@@ -9,6 +9,7 @@ counted on every thread (the ORM thread and the pool threads that read the conte
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Any
 
@@ -299,3 +300,64 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
         if m.content
     ]
     assert contents == ["one", "first answer", "two", "second answer", "three", "third answer"]
+
+
+@pytest.mark.postgres
+async def test_a_sends_context_read_beside_its_admission_is_used_unless_the_dialog_changed(
+    make_engine, fake_model, user, settings, monkeypatch
+):
+    # covers: G6, B5, C7 (on PostgreSQL a send's context is read while it is admitted, and
+    # that read builds its input; a compaction that lands in between is not missed)
+    from chatcore.engine import queue
+    from sessions_app import selectors, turn_services
+    from sessions_app.models import Session
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="ahead")
+    session = await make_dialog(user)
+    fake_model.script(Reply(text="first answer"))
+    await send(engine, session, "one")
+    await engine.wait_idle(session.pk)
+
+    reads: list[bool] = []
+    real_read, real_lock = selectors.turn_context, queue.lock_for_admission
+    compact = threading.Event()
+    compacted = threading.Event()
+
+    def read(**kwargs: Any) -> Any:
+        found = real_read(**kwargs)
+        reads.append(kwargs.get("ahead") is not None)
+        if kwargs.get("ahead") is not None and compact.is_set():
+            # The dialog is compacted after this read and before the send is admitted.
+            row = Session.objects.get(pk=kwargs["session_pk"])
+            turn_services.compaction_commit(
+                session_pk=row.pk,
+                through=row.last_seq,
+                generation=row.generation,
+                summary="SUMMARY OF EVERYTHING SO FAR",
+            )
+            compacted.set()
+        return found
+
+    def lock(*args: Any, **kwargs: Any) -> Any:
+        if compact.is_set():
+            assert compacted.wait(10)
+        return real_lock(*args, **kwargs)
+
+    monkeypatch.setattr(selectors, "turn_context", read)
+    monkeypatch.setattr(queue, "lock_for_admission", lock)
+
+    fake_model.script(Reply(text="second answer"))
+    await send(engine, session, "two")
+    await engine.wait_idle(session.pk)
+    assert reads == [True]  # read beside the admission, and used
+
+    reads.clear()
+    compact.set()
+    fake_model.script(Reply(text="third answer"))
+    await send(engine, session, "three")
+    await engine.wait_idle(session.pk)
+    assert reads == [True, False]  # read again after the admission: the compaction is in
+    sent = json.dumps(fake_model.requests[-1].messages)
+    assert "SUMMARY OF EVERYTHING SO FAR" in sent
+    assert "first answer" not in sent and "three" in sent

@@ -440,6 +440,27 @@ def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_l
     assert window(other, 5) == 0
 
 
+@pytest.mark.parametrize("coming", [3, 12, 40])
+def test_a_context_read_ahead_of_a_message_gives_the_window_its_append_will(user, coming):
+    # covers: F7, G6 (a send's context read while its admission runs: the same window as a
+    # read after its user message is appended, and the revision to check that by)
+    from sessions_app import selectors
+
+    session = create(user)
+    services.messages_append(session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(5)])
+    before = fresh(session)
+    ahead = selectors.turn_context(
+        session_pk=session.pk, owner_id=user.pk, max_chars=25, ahead=coming
+    )
+    assert ahead.revision == (before.last_seq, before.state_version)
+    services.messages_append(session_pk=session.pk, messages=[user_msg("y" * coming)])
+    after = selectors.turn_context(session_pk=session.pk, owner_id=user.pk, max_chars=25)
+    assert ahead.window_start == after.window_start
+    assert after.revision is None
+    row = fresh(session)
+    assert ahead.revision == (row.last_seq - 1, row.state_version - 1)
+
+
 # --- G6: the turn's writes without query compilation store what the ORM stores ------------
 
 

@@ -186,21 +186,41 @@ class Engine:
         # otherwise the usual kick.
         start_as = None if self.workers.running(session.pk) else self.process_id
         held = self.workers.lingering_lease(session.pk)
-        # A4: retries of the write wait on the loop, not on the database thread.
-        ack, started = await storage.astorage_retry(
-            lambda: queue.admit_and_start(
-                inbound,
-                session,
-                cfg=self.cfg,
-                states=self.states,
-                start_as=start_as,
-                held=held,
-                before_commit=charged.wait if charged is not None else None,
-            ),
-            what="admit",
-            session=session,
-            lane=self.writes,
+        # G6: a send that may start its turn has its context read beside its admission, where
+        # the admission is round trips to a database server (PostgreSQL); its build uses the
+        # read if the admitted row shows nothing else changed (`ReadAhead.valid_for`).
+        ahead = (
+            self.builder.read_ahead(session, len(inbound.content))
+            if self.writes is None
+            and inbound.mode in ("send", "steer")
+            and (start_as is not None or held is not None)
+            else None
         )
+        try:
+            # A4: retries of the write wait on the loop, not on the database thread.
+            ack, started = await storage.astorage_retry(
+                lambda: queue.admit_and_start(
+                    inbound,
+                    session,
+                    cfg=self.cfg,
+                    states=self.states,
+                    start_as=start_as,
+                    held=held,
+                    before_commit=charged.wait if charged is not None else None,
+                ),
+                what="admit",
+                session=session,
+                lane=self.writes,
+            )
+        except BaseException:
+            if ahead is not None:
+                ahead.discard()
+            raise
+        if ahead is not None:
+            if started is None:
+                ahead.discard()
+            else:
+                started.ahead = ahead
         if started is not None and started.lease is held:
             await self.workers.hand_off(started)
         elif started is not None:

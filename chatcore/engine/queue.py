@@ -45,7 +45,7 @@ from . import lease, limits
 from .ingress import Ack, Inbound
 from .lease import Lease, LeaseLost
 from .sessions import SessionStates
-from .turns.builder import CONTINUE_INSTRUCTION
+from .turns.builder import CONTINUE_INSTRUCTION, ReadAhead
 from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
 
@@ -229,6 +229,8 @@ class Started:
     session: Session
     appended: services.Appended | None
     generation: int
+    # The turn's context, read while the admission ran (`Engine.submit`), for its build.
+    ahead: ReadAhead | None = None
 
 
 def _admit_locked(
@@ -701,43 +703,47 @@ def recover_interrupted(
 
 @dataclass(frozen=True)
 class AfterTurn:
-    """What the after-turn read found (`after_turn_staged`): whether the dialog may have
-    turns to claim, and whether another dialog of the turn's party waits for a slot (F7)."""
+    """What the after-turn read found (`after_turn_read`): whether inputs are staged,
+    whether the dialog may have turns to claim, and whether another dialog of the turn's
+    party waits for a slot (F7)."""
 
+    staged: bool
     queued: bool
     party_waiting: bool
 
 
-def after_turn_staged(
-    turn: Turn, result: CommitResult, fence: Lease, *, states: SessionStates, cfg: dict[str, Any]
-) -> AfterTurn:
-    """Inputs staged after the last boundary are never lost: injects enter history now;
-    steers after a completed turn become sends (C4: when idle, steer is a send); after a
-    failure steers stay staged for the next send or retry; a stop dropped them.
-
-    It reads, in the statement that checks the lease (G2), whether anything is staged,
-    whether turns are queued and whether the party has another dialog waiting for a slot
-    (`limits.waiting_elsewhere`). With nothing queued or staged the worker has nothing to
-    claim (`claim_next`'s read) unless a kick came since, and with no dialog waiting there
-    is none to start (`waiting_dialogs`'s query): G6, one statement after a turn, not three."""
-    staged_any, queued, party_waiting = fence.waiting(
+def after_turn_read(turn: Turn, fence: Lease) -> AfterTurn:
+    """After a turn's commit, in the statement that checks the lease (G2): whether anything
+    is staged (`after_turn_staged` then has work), whether turns are queued and whether the
+    party has another dialog waiting for a slot (`limits.waiting_elsewhere`). With nothing
+    queued or staged the worker has nothing to claim (`claim_next`'s read) unless a kick
+    came since, and with no dialog waiting there is none to start (`waiting_dialogs`'s
+    query): G6, one statement after a turn, not three."""
+    staged, queued, party_waiting = fence.waiting(
         lease.STAGED_INPUTS, lease.QUEUED_TURNS, also=[limits.waiting_elsewhere(turn)]
     )
-    if not staged_any:
-        return AfterTurn(queued=queued, party_waiting=party_waiting)
-    found = AfterTurn(queued=True, party_waiting=party_waiting)
+    return AfterTurn(staged=staged, queued=queued or staged, party_waiting=party_waiting)
+
+
+def after_turn_staged(
+    turn: Turn, result: CommitResult, fence: Lease, *, states: SessionStates, cfg: dict[str, Any]
+) -> None:
+    """Inputs staged after the last boundary are never lost: injects enter history now;
+    steers after a completed turn become sends (C4: when idle, steer is a send); after a
+    failure steers stay staged for the next send or retry; a stop dropped them. Run when
+    `after_turn_read` found some."""
     if lease.RUNNING_TURNS.of(turn.session_id):
         # The next turn already runs (a send that came as this one ended, started under
         # the same lease: `admit_and_start`, which starts no turn while inputs are staged):
         # what is staged now was staged for it, and it takes it at its first boundary.
-        return found
+        return
     staged = list(
         StagedInput.objects.filter(
             session_id=turn.session_id, status=StagedInput.Status.STAGED
         ).order_by("received_at")
     )
     if not staged:
-        return found
+        return
     injects = [s for s in staged if s.mode == StagedInput.Mode.INJECT]
     if injects and result.reason != "stale":
         appended = services.messages_append(
@@ -774,7 +780,6 @@ def after_turn_staged(
                     received_at=s.received_at,
                 )
                 StagedInput.objects.filter(pk=s.pk).update(status=StagedInput.Status.RECORDED)
-    return found
 
 
 @dataclass

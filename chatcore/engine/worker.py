@@ -427,6 +427,7 @@ class Workers:
                     exclude_turn_partials=exclude,
                     pending=lead,
                     session=session,
+                    ahead=started.ahead,
                 )
             except Exception:
                 logger.exception("context preparation failed", extra=log)
@@ -593,6 +594,17 @@ class Workers:
         # client that sends as soon as it sees `turn_updated` never waits for a claim of its
         # own (G6).
         self._between.add(session.pk)
+        # What is left after the turn (staged inputs, queued turns, the party's waiting
+        # dialogs), read while the end goes out: a client that sends as soon as it sees
+        # `turn_updated` finds that read done, not beside its admission. A kick from here on
+        # (a send queued behind this turn) is the worker's to see; one before was for a turn
+        # the read finds.
+        wake = self._wakeups.get(session.pk)
+        if wake is not None:
+            wake.clear()
+        left = asyncio.ensure_future(
+            storage.astorage_retry(lambda: queue.after_turn_read(turn, fence), what="after_turn")
+        )
         if local.drained is not None:
             # D1: the turn's last snapshot reaches its clients before its terminal.
             await local.drained
@@ -643,22 +655,19 @@ class Workers:
                     "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
                 )
                 await reset_db()
-        # A kick from here on (a send queued behind this turn) is the worker's to see; one
-        # before was for a turn the read below finds.
-        wake = self._wakeups.get(session.pk)
-        if wake is not None:
-            wake.clear()
         try:
-            found = await storage.astorage_retry(
-                lambda: queue.after_turn_staged(
-                    turn, result, fence, states=self.states, cfg=self.cfg
-                ),
-                what="after_turn",
-            )
+            found = await left
             if not found.queued:
                 self._found_empty.add(session.pk)
             if not found.party_waiting:
                 self._party_idle.add(session.pk)
+            if found.staged:
+                await storage.astorage_retry(
+                    lambda: queue.after_turn_staged(
+                        turn, result, fence, states=self.states, cfg=self.cfg
+                    ),
+                    what="after_turn",
+                )
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
 

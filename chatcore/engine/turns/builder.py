@@ -11,6 +11,7 @@ back from the newest message until the budget is spent, so a build is linear in 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -157,6 +158,39 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
     return out
 
 
+class ReadAhead:
+    """A send's turn context, read while its admission runs (`TurnInputBuilder.read_ahead`).
+    The read does not see the admission's writes, so it is used only when the admitted row
+    shows nothing else happened between the two: the user message appended as the one
+    message after the revision the read saw, and the state version raised once by that
+    append (a compaction, a clear or another append since would show). Memory notes are
+    per owner and read without a lock either way."""
+
+    def __init__(self, read: asyncio.Future[selectors.TurnContext]) -> None:
+        self._read = read
+        read.add_done_callback(_retrieve)
+
+    def discard(self) -> None:
+        """The send did not start its turn: nothing will use the read."""
+        self._read.cancel()
+
+    async def valid_for(self, session: Session | None) -> selectors.TurnContext | None:
+        if session is None:
+            return None
+        try:
+            found = await self._read
+        except Exception:
+            return None  # read again, as without it
+        if found.revision != (session.last_seq - 1, session.state_version - 1):
+            return None
+        return found
+
+
+def _retrieve(read: asyncio.Future[Any]) -> None:
+    if not read.cancelled():
+        read.exception()  # seen here, so an unused failed read is not logged as lost
+
+
 class TurnInputBuilder:
     def __init__(
         self,
@@ -191,17 +225,23 @@ class TurnInputBuilder:
         exclude_turn_partials: str | None = None,
         budget_ratio: float | None = None,
         session: Session | None = None,
+        ahead: ReadAhead | None = None,
     ) -> PreparedInput:
         """The model's input for a turn of the dialog. `session`: its row as the caller's
-        transaction just read it (the claim, G6); without it, the row is read here."""
+        transaction just read it (the claim, G6); without it, the row is read here.
+        `ahead`: the context read while the turn's admission ran (`read_ahead`), used when
+        nothing but the turn's own user message changed the dialog since."""
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
         budget = int(self.context_window * ratio)
+        found = await ahead.valid_for(session) if ahead is not None else None
 
         def build() -> PreparedInput:
             # G6: the context (compaction, history window, memory notes) in one statement,
             # beside the dialog row the claim read; F7: then the conversion, counting and
             # trimming, which grow with the dialog: all in one trip to a database thread.
-            row, history, compaction, skipped, notes = self._load_context(session_pk, session)
+            row, history, compaction, skipped, notes = self._load_context(
+                session_pk, session, found
+            )
             prepared = self.assemble(
                 session=row,
                 history=history,
@@ -236,8 +276,26 @@ class TurnInputBuilder:
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
 
+    def read_ahead(self, session: Session, chars: int) -> ReadAhead:
+        """Start reading a send's turn context while its admission runs (G6: the read is
+        off the path to the first token): the window its user message of `chars` characters
+        will give, and the dialog's revision to check it by (`ReadAhead.valid_for`)."""
+
+        def read() -> selectors.TurnContext:
+            return selectors.turn_context(
+                session_pk=session.pk,
+                owner_id=session.owner_id,
+                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+                ahead=chars,
+            )
+
+        return ReadAhead(asyncio.ensure_future(on_db(read)()))
+
     def _load_context(
-        self, session_pk: str, session: Session | None = None
+        self,
+        session_pk: str,
+        session: Session | None = None,
+        found: selectors.TurnContext | None = None,
     ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
         """Runs on a database thread (`on_db`), beside other dialogs' calls (F7). The dialog
         row as the claim locked it, and the rest (compaction, history window, memory notes)
@@ -247,11 +305,12 @@ class TurnInputBuilder:
         if session is None:
             with selectors.read_transaction():
                 return self._load_context(session_pk, Session.objects.get(pk=session_pk))
-        found = selectors.turn_context(
-            session_pk=session_pk,
-            owner_id=session.owner_id,
-            max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
-        )
+        if found is None:
+            found = selectors.turn_context(
+                session_pk=session_pk,
+                owner_id=session.owner_id,
+                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+            )
         # F7: only the newest messages that could fit the model's window at all are read;
         # a dialog longer than that costs one running sum, not one row per message.
         through = found.compaction.through_seq if found.compaction else 0

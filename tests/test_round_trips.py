@@ -249,9 +249,10 @@ async def test_no_statement_runs_while_the_answer_streams(
 async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_claim(
     make_engine, fake_model, recorder, user, settings, monkeypatch
 ):
-    # covers: G6, C1, C3 (the after-turn read that checks the lease and staged inputs also
-    # says whether turns are queued: with none, the worker claims nothing; a turn another
-    # process queued while the answer ran, which no kick of ours announced, runs next)
+    # covers: G6, C1, C3, F7 (the after-turn read that checks the lease and staged inputs
+    # also says whether turns are queued and whether another dialog of the party waits: with
+    # none, the worker claims nothing and looks for no waiting dialog; a turn another process
+    # queued while the answer ran, which no kick of ours announced, runs next)
     from asgiref.sync import sync_to_async
     from django.conf import settings as live
 
@@ -270,6 +271,14 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
         return claim_next(session_pk, *args, **kwargs)
 
     monkeypatch.setattr(queue, "claim_next", spy_claim_next)
+    looked: list[str] = []
+    waiting_dialogs = queue.waiting_dialogs
+
+    def spy_waiting_dialogs(turn: Any, **kwargs: Any) -> Any:
+        looked.append(str(turn.pk))
+        return waiting_dialogs(turn, **kwargs)
+
+    monkeypatch.setattr(queue, "waiting_dialogs", spy_waiting_dialogs)
     rec = await recorder(chat_group_of(session))
     fake_model.script(Reply(text="first answer"))
     first = await send(engine, session, "one")
@@ -294,6 +303,8 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
     assert (await rec.terminal(third.turn_id))["status"] == "completed"
     await engine.wait_idle(session.pk)
     assert claims == [session.pk]  # the third turn's claim, and no read after it
+    # No other dialog of the user waited for a slot: F7's look for one never ran.
+    assert looked == []
     contents = [
         m.content
         async for m in session.messages.order_by("seq").exclude(role="system")

@@ -176,10 +176,11 @@ class Engine:
         # admission, whose transaction waits for it before committing (a refusal rolls it
         # back); SQLite's write lane would hold every admission of its batch for it, so
         # there the charge comes first.
-        charged = await limits.charge_beside(inbound.owner.pk, limits.SEND, self.cfg)
-        if charged is not None and self.writes is not None:
-            await charged.result()
-            charged = None
+        charged = None
+        if self.writes is None:
+            charged = await limits.charge_beside(inbound.owner.pk, limits.SEND, self.cfg)
+        else:
+            await limits.acharge(inbound.owner.pk, limits.SEND, self.cfg)
         # G6: a send to a dialog this process does not run now may start its turn in the
         # admitting transaction (`queue.admit_and_start`), and so may one to a dialog whose
         # worker here lingers after its last turn (under that worker's lease, handed to it);

@@ -177,10 +177,6 @@ class PendingCharge:
         call, from inside the admitting transaction."""
         self._done.result()
 
-    async def result(self) -> None:
-        """The same, awaited on the event loop."""
-        await asyncio.wrap_future(self._done)
-
 
 async def charge_beside(
     user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None
@@ -341,7 +337,7 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
 
 def waiting_elsewhere(turn: Turn) -> tuple[str, list[Any]]:
     """After `turn` ended, as a boolean SQL expression (for a statement the after-turn step
-    runs anyway, `queue.after_turn_staged`): whether another dialog of its party waits for a
+    runs anyway, `queue.after_turn_read`): whether another dialog of its party waits for a
     slot (queued turns, none running). Only then is `waiting_dialogs` worth its query; a
     party rarely has one, so most turns end without it."""
     session = turn.session

@@ -107,7 +107,7 @@ class Workers:
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
         # Dialogs whose last turn's after-turn read found nothing queued or staged
-        # (`queue.after_turn_staged`): unless a kick came since, their worker claims nothing.
+        # (`queue.after_turn_read`): unless a kick came since, their worker claims nothing.
         self._found_empty: set[str] = set()
         # Dialogs whose last turn ended with no other dialog of its party waiting for a
         # slot (the same read): `_wake_waiting` has none to look for.

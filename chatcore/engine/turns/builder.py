@@ -21,7 +21,7 @@ from typing import Any
 
 from django.conf import settings
 
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db, start_on_db
 from sessions_app import selectors
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
@@ -276,10 +276,12 @@ class TurnInputBuilder:
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
 
-    def read_ahead(self, session: Session, chars: int) -> ReadAhead:
+    def read_ahead(self, session: Session, chars: int) -> ReadAhead | None:
         """Start reading a send's turn context while its admission runs (G6: the read is
         off the path to the first token): the window its user message of `chars` characters
-        will give, and the dialog's revision to check it by (`ReadAhead.valid_for`)."""
+        will give, and the dialog's revision to check it by (`ReadAhead.valid_for`). It goes
+        to a database thread before the admission does, so it reads the row the admission
+        then changes. None for a synchronous caller (nothing runs beside its calls)."""
 
         def read() -> selectors.TurnContext:
             return selectors.turn_context(
@@ -289,7 +291,8 @@ class TurnInputBuilder:
                 ahead=chars,
             )
 
-        return ReadAhead(asyncio.ensure_future(on_db(read)()))
+        started = start_on_db(read)
+        return ReadAhead(started) if started is not None else None
 
     def _load_context(
         self,

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 
-from chatcore.common import publish
+from chatcore.common import heap, publish
 from chatcore.common.memlayer import LocalChannelLayer
 from chatcore.engine.clientstate import snapshot_gaps
 
@@ -76,6 +76,8 @@ def healthz(request: HttpRequest) -> JsonResponse:
             **checks,
             # D1: snapshot tails found missing by this process's connections since it started.
             "snapshot_gaps": snapshot_gaps(),
+            # Issue 10: the garbage collector's pauses since the server settled (serve only).
+            "collector": heap.report(),
         },
         status=200 if ok else 503,
     )

@@ -8,6 +8,7 @@ environment says about DATABASE_URL and REDIS_URL.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +51,25 @@ def test_health_endpoint_reports_ok_in_embedded_mode(served: tuple[str, Path]) -
     body = response.json()
     assert body["status"] == "ok"
     assert body["mode"] == "embedded"
+
+
+def test_health_shows_the_served_heap_settled_and_the_collectors_pauses(
+    served: tuple[str, Path],
+) -> None:
+    # Issue 10: once the engine has started, what the server loaded for good is out of the
+    # collector's view (a full collection no longer walks it and stalls every stream), and
+    # the collector's pauses since then are there for an operator to see.
+    base, _ = served
+
+    collector: dict[str, float] = {}
+    for _ in range(100):
+        collector = httpx.get(f"{base}/healthz", timeout=10.0).json()["collector"]
+        if collector:
+            break
+        time.sleep(0.1)
+
+    assert collector["frozen_objects"] > 10_000
+    assert 0 <= collector["longest_pause_ms"] <= collector["pause_ms_total"]
 
 
 def test_static_files_are_served(served: tuple[str, Path]) -> None:

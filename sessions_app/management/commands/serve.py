@@ -129,7 +129,12 @@ class Command(BaseCommand):
             # start as the loop's first callback so it binds to the running loop.
             from chatcore.engine import runtime
 
-            asyncio.get_event_loop().call_soon(runtime.start_in_current_loop)
+            def start() -> None:
+                global _settling
+                runtime.start_in_current_loop()
+                _settling = asyncio.get_running_loop().create_task(_settle_heap())
+
+            asyncio.get_event_loop().call_soon(start)
             # F1, B3: on SIGINT/SIGTERM the reactor waits for the engine to refuse new work
             # and reap its tasks (bounded by its own grace period) before it stops.
             twisted_reactor: Any = reactor  # its zope interface confuses mypy
@@ -163,6 +168,21 @@ class Command(BaseCommand):
                 f"Could not listen on {display_host}:{port} (is the port in use? "
                 "try another with --port or PORT=...)."
             )
+
+
+# The task that settles the heap once the engine has started (kept: a task nobody holds may
+# be collected before it runs).
+_settling: asyncio.Task[None] | None = None
+
+
+async def _settle_heap() -> None:
+    """Once the engine has started (its tokenizer tables loaded), take what the process
+    holds for good out of the cyclic collector's view (`chatcore.common.heap`)."""
+    from chatcore.common import heap
+    from chatcore.engine import runtime
+
+    await runtime.get_engine()
+    heap.settle()
 
 
 def _engine_shutdown() -> defer.Deferred[None]:

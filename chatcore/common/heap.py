@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 _began: float | None = None
+_frozen = 0
 _collections = 0
 _total = 0.0
 _longest = 0.0
@@ -29,8 +30,12 @@ _longest = 0.0
 def settle() -> None:
     """Collect, then take everything alive out of the collector's view, and time the
     collections from here on. Idempotent: a second call freezes what was added since."""
+    global _frozen
     gc.collect()
     gc.freeze()
+    # Counted once, here: `gc.get_freeze_count()` walks every frozen object, which on a
+    # settled server takes milliseconds with the GIL held (not for a health check to repeat).
+    _frozen = gc.get_freeze_count()
     if _watch not in gc.callbacks:
         gc.callbacks.append(_watch)
 
@@ -56,7 +61,7 @@ def report() -> dict[str, Any]:
     if _watch not in gc.callbacks:
         return {}
     return {
-        "frozen_objects": gc.get_freeze_count(),
+        "frozen_objects": _frozen,
         "collections": _collections,
         "pause_ms_total": round(_total * 1000, 1),
         "longest_pause_ms": round(_longest * 1000, 1),

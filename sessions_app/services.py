@@ -38,6 +38,7 @@ from .rows import columns as rows_columns
 from .rows import cursor as sql_cursor
 from .rows import from_row as rows_from_row
 from .rows import insert as rows_insert
+from .rows import merged as rows_merged
 from .rows import update as rows_update
 from .storage import storage_retry
 
@@ -438,7 +439,11 @@ def messages_append(
                 locked.generation != require_generation or locked.deleted_at is not None
             ):
                 raise StaleSession()
-            appended = append_locked(locked, messages, turn=turn, extra=extra)
+            # G6: the messages, the row's update and what `extra` writes (a turn's end) go
+            # as one statement on PostgreSQL (`rows.merged`): a turn's commit is the lock and
+            # this, not one round trip per write.
+            with rows_merged():
+                appended = append_locked(locked, messages, turn=turn, extra=extra)
             if publish_delta:
                 transaction.on_commit(lambda: announce_appended(appended, turn))
             return appended

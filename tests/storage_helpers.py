@@ -40,6 +40,17 @@ def fresh(session: Session) -> Session:
     return Session.objects.get(pk=session.pk)
 
 
+def writes(sql: str, verb: str, table: str) -> bool:
+    """Whether `sql` is, or holds, a `verb` ("INSERT", "UPDATE") on `table` (quoted or not):
+    alone, or merged with other writes into one statement (`rows.merged` on PostgreSQL:
+    `WITH w0 AS (INSERT INTO ...) UPDATE ...`)."""
+    quoted = table if table.startswith('"') else f'"{table}"'
+    if quoted in sql and sql.lstrip().upper().startswith(verb):
+        return True
+    into = " INTO " if verb == "INSERT" else " "
+    return f"{verb}{into}{quoted}" in sql
+
+
 class FailStatements:
     """An execute wrapper that makes the first `failures` matching statements raise, like a
     database that is briefly unavailable; it counts every matching attempt."""
@@ -51,12 +62,7 @@ class FailStatements:
         self.attempts = 0
 
     def matches(self, sql: str) -> bool:
-        if self.table in sql and sql.lstrip().upper().startswith(self.verb):
-            return True
-        # A write merged with others into one statement (`rows.merged` on PostgreSQL:
-        # `WITH w0 AS (INSERT INTO ...) UPDATE ...`).
-        into = " INTO " if self.verb == "INSERT" else " "
-        return f"{self.verb}{into}{self.table}" in sql
+        return writes(sql, self.verb, self.table)
 
     def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         if self.matches(sql):

@@ -24,6 +24,7 @@ from tests.engine_helpers import (
     wrap_engine_statements,
 )
 from tests.fakemodel import Reply
+from tests.storage_helpers import writes
 from tests.test_engine_turns import streamed, terminals
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -194,11 +195,7 @@ async def test_persistence_failure_never_sends_the_answer(
     state = {"armed": False}
 
     def fail_writes(execute, sql, params, many, context):
-        if (
-            state["armed"]
-            and "sessions_app_message" in sql
-            and sql.lstrip().upper().startswith("INSERT")
-        ):
+        if state["armed"] and writes(sql, "INSERT", "sessions_app_message"):
             raise OperationalError("injected")
         return execute(sql, params, many, context)
 

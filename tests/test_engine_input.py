@@ -24,6 +24,7 @@ from tests.engine_helpers import (
     wrap_engine_statements,
 )
 from tests.fakemodel import Reply
+from tests.storage_helpers import writes
 from tests.test_engine_turns import (
     chat_cfg,
     drain,
@@ -129,11 +130,7 @@ async def test_persistence_failure_is_never_reported_as_completed(
     state = {"armed": False}
 
     def fail_assistant_writes(execute, sql, params, many, context):
-        if (
-            state["armed"]
-            and "sessions_app_message" in sql
-            and sql.lstrip().upper().startswith("INSERT")
-        ):
+        if state["armed"] and writes(sql, "INSERT", "sessions_app_message"):
             raise OperationalError("injected: disk full")
         return execute(sql, params, many, context)
 

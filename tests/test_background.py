@@ -275,6 +275,48 @@ async def test_compaction_summary_feeds_the_next_request_and_keeps_messages(
     assert "Summarise" in model.summary_requests[0]["messages"][0]["content"]
 
 
+class HeldScheduler:
+    """A scheduler whose `compact_session` blocks until `gate` is set (a broker that is slow
+    to take the job); other jobs are dropped."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.asked: list[str] = []
+
+    def schedule(self, job: str, **kwargs: Any) -> None:
+        if job == "compact_session":
+            self.asked.append(str(kwargs["session_pk"]))
+            self.gate.wait(30)
+
+
+async def test_a_long_dialogs_answer_never_waits_for_its_compaction_to_be_scheduled(
+    model, fake_model, make_engine, recorder, user
+):
+    # covers: B5, G6 (scheduling the summary of a dialog past its budget is off the turn's
+    # path: in scaled mode it is a round trip to Redis and one to the broker)
+    scheduler = HeldScheduler()
+    with override_settings(**_cfg(fake_model)):
+        engine = await make_engine(scheduler=scheduler)
+        session = await make_dialog(user, "long")
+        rec = await recorder(chat_group_of(session))
+        await chat(
+            engine, session, rec, *[f"message number {i} " + "words " * 40 for i in range(4)]
+        )
+        assert not scheduler.asked
+        # From here the input no longer fits: the oldest messages are left out.
+        engine.builder.context_window = 400
+        try:
+            ack = await send(engine, session, "and now?")
+            done = await terminals(rec, [ack.turn_id], timeout=5)
+            assert done[ack.turn_id]["status"] == "completed"
+            # The answer came while the scheduling was still held.
+            assert scheduler.asked == [str(session.pk)] and not scheduler.gate.is_set()
+            request = fake_model.turn_requests()[-1]
+            assert not any("message number 0" in str(m["content"]) for m in request.messages)
+        finally:
+            scheduler.gate.set()
+
+
 async def test_compaction_is_skipped_when_the_dialog_changed(
     mode, model, make_engine, recorder, user
 ):

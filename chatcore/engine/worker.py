@@ -435,7 +435,7 @@ class Workers:
                 await self._finish(turn, session, failed, generation, local=local)
                 return
             if prepared.dropped_for_budget:
-                await self._schedule_compaction(session.pk)
+                self._schedule_compaction(session.pk)
 
             async def fetch_staged() -> list[Any]:
                 return await on_db(take_staged)(turn=turn, fence=held)
@@ -457,13 +457,26 @@ class Workers:
             )
             outcome = await self._run_cancellable(local, runner, prepared)
             if runner.recovered:
-                await self._schedule_compaction(session.pk)
+                self._schedule_compaction(session.pk)
             await self._finish(turn, session, outcome, generation, local=local)
         finally:
             self.local.pop(turn_id, None)
 
-    async def _schedule_compaction(self, session_pk: str) -> None:
-        await on_db(self.scheduler.schedule)("compact_session", session_pk=session_pk, manual=False)
+    def _schedule_compaction(self, session_pk: str) -> None:
+        """B5: a compaction for the dialog, scheduled beside the turn, not before its model
+        request: in scaled mode scheduling takes a round trip to Redis for the job's guard
+        and, when it is due, one to the broker (the first of a process also connects), and a
+        long dialog drops messages for the budget on every turn until its summary lands.
+        At shutdown it is left to a later turn, which finds it due again."""
+        try:
+            self.supervisor.spawn(
+                f"schedule-compaction:{session_pk}",
+                on_db(self.scheduler.schedule)(
+                    "compact_session", session_pk=session_pk, manual=False
+                ),
+            )
+        except ShuttingDown:
+            pass
 
     async def _run_cancellable(
         self, local: LocalTurn, runner: TurnRunner, prepared: Any

@@ -212,6 +212,28 @@ async def test_title_work_never_delays_the_next_turn(mode, model, make_engine, r
     await until(lambda: Session.objects.get(pk=session.pk).title == "Eventually")
 
 
+async def test_the_next_turn_never_waits_for_the_title_to_be_scheduled(
+    model, fake_model, make_engine, recorder, user
+):
+    # covers: B4, C3 (the title job is scheduled beside the worker: the dialog's next turn
+    # does not wait for the job's guard on Redis or the broker)
+    scheduler = HeldScheduler("generate_title")
+    with override_settings(**_cfg(fake_model)):
+        engine = await make_engine(scheduler=scheduler)
+        session = await make_dialog(user)
+        rec = await recorder(chat_group_of(session))
+        try:
+            first = await send(engine, session, "one")
+            second = await send(engine, session, "two")
+            third = await send(engine, session, "three")
+            done = await terminals(rec, [first.turn_id, second.turn_id, third.turn_id], timeout=5)
+            assert {f["status"] for f in done.values()} == {"completed"}
+            # The title became due after the second answer; its scheduling is still held.
+            assert scheduler.asked == [str(session.pk)] and not scheduler.gate.is_set()
+        finally:
+            scheduler.gate.set()
+
+
 async def test_title_job_is_idempotent(mode, model, make_engine, user):
     # covers: B4 (re-delivery of the same task)
     await make_engine()
@@ -276,15 +298,16 @@ async def test_compaction_summary_feeds_the_next_request_and_keeps_messages(
 
 
 class HeldScheduler:
-    """A scheduler whose `compact_session` blocks until `gate` is set (a broker that is slow
-    to take the job); other jobs are dropped."""
+    """A scheduler whose `job` blocks until `gate` is set (a broker that is slow to take it);
+    other jobs are dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: str) -> None:
+        self.job = job
         self.gate = threading.Event()
         self.asked: list[str] = []
 
     def schedule(self, job: str, **kwargs: Any) -> None:
-        if job == "compact_session":
+        if job == self.job:
             self.asked.append(str(kwargs["session_pk"]))
             self.gate.wait(30)
 
@@ -294,7 +317,7 @@ async def test_a_long_dialogs_answer_never_waits_for_its_compaction_to_be_schedu
 ):
     # covers: B5, G6 (scheduling the summary of a dialog past its budget is off the turn's
     # path: in scaled mode it is a round trip to Redis and one to the broker)
-    scheduler = HeldScheduler()
+    scheduler = HeldScheduler("compact_session")
     with override_settings(**_cfg(fake_model)):
         engine = await make_engine(scheduler=scheduler)
         session = await make_dialog(user, "long")

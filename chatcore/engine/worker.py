@@ -464,16 +464,19 @@ class Workers:
 
     def _schedule_compaction(self, session_pk: str) -> None:
         """B5: a compaction for the dialog, scheduled beside the turn, not before its model
-        request: in scaled mode scheduling takes a round trip to Redis for the job's guard
-        and, when it is due, one to the broker (the first of a process also connects), and a
-        long dialog drops messages for the budget on every turn until its summary lands.
+        request: a long dialog drops messages for the budget on every turn until its summary
+        lands."""
+        self._schedule_beside("compact_session", session_pk=session_pk, manual=False)
+
+    def _schedule_beside(self, job: str, **kwargs: Any) -> None:
+        """Schedule a background job (B4, B5) under the supervisor, off the turn's path and
+        the next turn's: in scaled mode scheduling takes a round trip to Redis for the job's
+        guard and, when it is due, one to the broker (the first of a process also connects).
         At shutdown it is left to a later turn, which finds it due again."""
         try:
             self.supervisor.spawn(
-                f"schedule-compaction:{session_pk}",
-                on_db(self.scheduler.schedule)(
-                    "compact_session", session_pk=session_pk, manual=False
-                ),
+                f"schedule:{job}:{kwargs.get('session_pk')}",
+                on_db(self.scheduler.schedule)(job, **kwargs),
             )
         except ShuttingDown:
             pass
@@ -661,7 +664,7 @@ class Workers:
                     else await on_db(jobs.title_due)(session_pk=session.pk)
                 )
                 if due:
-                    await on_db(self.scheduler.schedule)("generate_title", session_pk=session.pk)
+                    self._schedule_beside("generate_title", session_pk=session.pk)
             except DatabaseError:
                 # A title is scheduled again after the next turn; the queue must go on.
                 logger.warning(

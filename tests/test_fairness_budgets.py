@@ -74,9 +74,16 @@ async def test_rest_compact_and_retry_are_charged_to_the_send_rate(
 
 
 async def test_ws_commands_use_the_write_budget_and_stop_is_never_refused(
-    engine: Any, make_engine: Any, user: Any
+    engine: Any, make_engine: Any, user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # covers: F7, B3
+    import types
+
+    from chatcore.engine import limits
+
+    # Budgets count per clock minute: the test's requests all fall in one, whenever it runs.
+    fixed = 1_800_000_000.0 - 40
+    monkeypatch.setattr(limits, "time", types.SimpleNamespace(time=lambda: fixed))
     await sync_to_async(cache.clear)()
     async with engine_with(make_engine, WRITE_RATE_PER_MINUTE=2):
         ws = await ws_connect(user)

@@ -56,9 +56,9 @@ def test_health_endpoint_reports_ok_in_embedded_mode(served: tuple[str, Path]) -
 def test_health_shows_the_served_heap_settled_and_the_collectors_pauses(
     served: tuple[str, Path],
 ) -> None:
-    # Issue 10: once the engine has started, what the server loaded for good is out of the
-    # collector's view (a full collection no longer walks it and stalls every stream), and
-    # the collector's pauses since then are there for an operator to see.
+    # covers: F4, G6 (issue 10: once the engine has started, what the server loaded for good
+    # is out of the collector's view, so a full collection no longer walks it and stalls every
+    # stream; the collector's pauses since then are there for an operator to see)
     base, _ = served
 
     collector: dict[str, float] = {}

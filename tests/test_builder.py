@@ -108,3 +108,53 @@ async def test_pending_messages_of_the_turn_follow_history(user):
     )
     assert prepared.messages[-2]["content"] == "question"
     assert prepared.messages[-1]["content"].startswith("go on" + RUNTIME_MARKER)
+
+
+async def test_every_turn_of_a_long_dialog_is_sent_what_a_fresh_process_would_send(user):
+    # covers: A5, C7, C8, E5
+    # A process keeps a dialog's loaded messages and what each gives the model from turn to
+    # turn; what it sends must never drift from a build that starts from the database: the
+    # runtime block moves to the new last user message, a continuation stays joined to its
+    # answer, an old tool result stays trimmed, and nothing added to one turn's input sticks.
+    session = await sync_to_async(_dialog)(user)
+    kept = _builder()
+    call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    rounds: list[list[services.NewMessage]] = [
+        [_user("first"), _assistant("an answer cut sh", status="interrupted")],
+        [_user("use a tool"), _assistant("", tool_calls=[call])],
+        [
+            services.NewMessage(
+                role=Role.TOOL,
+                content="r" * 5000,
+                kind=MessageKind.TOOL_RESULT,
+                tool_call_id="c1",
+                tool_name="x",
+            ),
+            _assistant("the tool said r"),
+        ],
+        [_user("third"), _assistant("")],
+    ]
+
+    def add(messages: list[services.NewMessage]) -> None:
+        appended = services.messages_append(session_pk=session.pk, messages=messages)
+        if messages[0].content == "first":
+            cut = appended.messages[-1]
+            services.messages_append(
+                session_pk=session.pk,
+                messages=[_assistant("ort, and its rest", source={"continues": str(cut.pk)})],
+            )
+
+    for added in rounds:
+        await sync_to_async(add)(added)
+        await sync_to_async(_add)(session, _user(f"after {len(added)}"))
+        sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
+        fresh = await _builder().prepare(session_pk=session.pk, runtime=_runtime(session))
+        assert sent.messages == fresh.messages
+        assert sent.estimated_tokens == fresh.estimated_tokens
+        assert sum(str(m["content"]).count(RUNTIME_MARKER) for m in sent.messages) == 1
+        assert sent.messages[-1]["content"].startswith(f"after {len(added)}" + RUNTIME_MARKER)
+    contents = [m["content"] for m in sent.messages]
+    assert "an answer cut short, and its rest" in contents
+    assert "" not in contents  # E5: the empty answer is never replayed
+    tool = next(m for m in sent.messages if m["role"] == "tool")
+    assert len(tool["content"]) < 5000 and tool["content"].startswith("r" * 4000)

@@ -80,6 +80,10 @@ def message_bytes(message: Message) -> int:
 MESSAGE_OVERHEAD_BYTES = 1024
 
 
+def _seq(message: Message) -> int:
+    return message.seq
+
+
 @dataclass
 class SessionState:
     pk: str
@@ -101,7 +105,7 @@ class SessionState:
 
     def drop_through(self, seq: int) -> None:
         """Forget what a newer compaction covers (messages are ordered by seq)."""
-        cut = bisect.bisect_right([m.seq for m in self.messages], seq)
+        cut = bisect.bisect_right(self.messages, seq, key=_seq)
         if cut:
             self.size -= sum(message_bytes(m) for m in self.messages[:cut])
             self.messages = self.messages[cut:]
@@ -172,7 +176,8 @@ class SessionStates:
                 "history read failed; using in-memory state", extra={"session_id": session.pk}
             )
         state.last_used = time.monotonic()
-        messages = [m for m in state.messages if m.seq > after_seq]
+        # Messages are in seq order: the window is a slice, not a walk of the dialog.
+        messages = state.messages[bisect.bisect_right(state.messages, after_seq, key=_seq) :]
         with self._lock:
             self._states[session.pk] = state
             self._states.move_to_end(session.pk)

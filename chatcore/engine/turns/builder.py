@@ -5,8 +5,10 @@ tighter budget, so nothing is ever appended twice.
 
 Everything here that grows with the dialog runs in a worker thread, never on the event loop
 (F7): loading the history (after the last compaction only), converting it, counting and
-trimming. Each stored message is counted once (`TokenCache`, by message id) and trimming walks
-back from the newest message until the budget is spent, so a build is linear in the dialog.
+trimming. Each stored message is converted and counted once (`_Replayed`, kept on the message
+the history cache holds; `TokenCache`, by message id, for a dialog loaded again) and trimming
+walks back from the newest message until the budget is spent, so a build is linear in the
+dialog, and its cost per message already seen is a lookup.
 """
 
 from __future__ import annotations
@@ -93,16 +95,6 @@ def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
     return data
 
 
-@dataclass
-class _Item:
-    """One message of the model input: its OpenAI form, the key its token count is cached
-    under (None: count it afresh), and whether it belongs to the turn being built."""
-
-    data: dict[str, Any]
-    key: Hashable | None
-    in_turn: bool = False
-
-
 CONTINUE_INSTRUCTION = (
     "Your previous answer was cut off because it reached the length limit. Continue it "
     "exactly where it stopped, without repeating anything already written and without any "
@@ -110,26 +102,74 @@ CONTINUE_INSTRUCTION = (
 )
 
 
-def _replay(items: list[_Item], answers: dict[str, int], m: Message) -> None:
+@dataclass(slots=True)
+class _Item:
+    """One message of the model input: its OpenAI form, the key its token count is cached
+    under (None: count it afresh), whether it belongs to the turn being built, and, on a
+    stored message's own item, its token counts by counter name (`TokenCounter.name`)."""
+
+    data: dict[str, Any]
+    key: Hashable | None
+    in_turn: bool = False
+    tokens: dict[str, int] | None = None
+
+
+@dataclass(slots=True)
+class _Replayed:
+    """What a stored message gives the model input, worked out once per loaded message and
+    kept on it: the history cache holds a dialog's loaded messages from turn to turn (A5),
+    so a build converts and counts only the messages new since its last one, and walks the
+    rest at the cost of a lookup (STYLE 18). A stored message never changes (B5); its item
+    is never changed in place (a join or a trim makes a new one)."""
+
+    item: _Item
+    id: str
+    # Left out of every model input: the welcome message and system rows.
+    skipped: bool
+    answer: bool
+    # E5: an empty assistant text is never replayed.
+    empty: bool
+    # E5: the id of the cut answer this continuation goes on with, else "".
+    continues: str
+
+
+_REPLAYED = "_replayed"
+
+
+def _replayed(m: Message) -> _Replayed:
+    memo: _Replayed | None = m.__dict__.get(_REPLAYED)
+    if memo is None:
+        answer = m.role == "assistant" and not m.tool_calls
+        memo = _Replayed(
+            item=_Item(message_to_openai(m), m.pk, tokens={}),
+            id=str(m.id),
+            skipped=m.kind == MessageKind.WELCOME or m.role == "system",
+            answer=answer,
+            empty=answer and not (m.content or "").strip(),
+            continues=str((m.source or {}).get("continues") or ""),
+        )
+        m.__dict__[_REPLAYED] = memo
+    return memo
+
+
+def _replay(items: list[_Item], answers: dict[str, int], m: Message, r: _Replayed) -> None:
     """Add a stored message to the model input (E5): an empty assistant text is never
     replayed, and a continuation is joined to the answer it continues, so the model sees
     one answer, as the user does. `answers` maps answer message ids to their index."""
-    is_answer = m.role == "assistant" and not m.tool_calls
-    if is_answer and not (m.content or "").strip():
+    if r.empty:
         return
-    target = str((m.source or {}).get("continues") or "")
-    if is_answer and target in answers:
-        index = answers[target]
+    if r.answer and r.continues in answers:
+        index = answers[r.continues]
         joined = items[index]
         data = {**joined.data, "content": (joined.data["content"] or "") + m.content}
         # The joined text is counted under the ids of all its parts.
         key = (joined.key, m.pk) if joined.key is not None else None
         items[index] = _Item(data, key)
-        answers[str(m.id)] = index
+        answers[r.id] = index
         return
-    items.append(_Item(message_to_openai(m), m.pk))
-    if is_answer:
-        answers[str(m.id)] = len(items) - 1
+    items.append(r.item)
+    if r.answer:
+        answers[r.id] = len(items) - 1
 
 
 def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
@@ -358,11 +398,12 @@ class TurnInputBuilder:
         items: list[_Item] = []
         answers: dict[str, int] = {}
         for m in history:
-            if m.seq <= through or m.kind == MessageKind.WELCOME or m.role == "system":
+            r = _replayed(m)
+            if r.skipped or m.seq <= through:
                 continue
             if exclude_turn_partials and m.status and str(m.turn_id) == exclude_turn_partials:
                 continue
-            _replay(items, answers, m)
+            _replay(items, answers, m, r)
         items.extend(_Item(message_to_openai(p), None, in_turn=True) for p in pending)
         items = _sanitize_tool_pairs(items)
 
@@ -378,6 +419,17 @@ class TurnInputBuilder:
         # last stored one (this turn's user message). Walking back from the newest message
         # counts each message at most once, and only those that can still fit (STYLE 18).
         counter, cache = self.counter, self.token_cache
+        name = counter.name
+
+        def count(it: _Item) -> int:
+            kept = it.tokens
+            if kept is None:
+                return cache.count(counter, it.key, it.data)
+            found = kept.get(name)
+            if found is None:
+                found = kept[name] = cache.count(counter, it.key, it.data)
+            return found
+
         # The head (system prompt, skills, notes, plan, summary) is the same turn after turn:
         # counted once per text, kept under the text itself.
         total = sum(cache.count(counter, ("head", h["content"]), h) for h in head)
@@ -385,16 +437,16 @@ class TurnInputBuilder:
         keep = max(0, keep - 1)
         counts = [0] * len(items)
         for i in range(keep, len(items)):
-            counts[i] = cache.count(counter, items[i].key, items[i].data)
+            counts[i] = count(items[i])
             total += counts[i]
         start = keep
         while start > 0:
-            count = cache.count(counter, items[start - 1].key, items[start - 1].data)
-            if total + count > budget:
+            n = count(items[start - 1])
+            if total + n > budget:
                 break
             start -= 1
-            counts[start] = count
-            total += count
+            counts[start] = n
+            total += n
         while start < len(items) and items[start].data["role"] == "tool":
             total -= counts[start]
             start += 1

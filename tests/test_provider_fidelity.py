@@ -304,6 +304,34 @@ async def test_empty_assistant_text_stored_earlier_is_never_replayed(
     ]
 
 
+async def test_every_request_of_a_dialog_carries_its_history_exactly_as_stored(
+    make_engine, fake_model, recorder, user
+):
+    # covers: A5, E5, F7
+    # A stored message's JSON is kept once built and joined into later requests' bodies: each
+    # turn's request must still be the dialog as stored, text of any script, quotes and all.
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    said = ['über "quoted"\n\tnext line', "日本語のテキスト 😀", "back\\slash </script>"]
+    answers_given = ["Antwort: ß", "答え 😀", 'a "reply"']
+    fake_model.script(*[Reply(text=a) for a in answers_given])
+    for text in said:
+        ack = await send(engine, session, text)
+        assert (await finish(rec, ack.turn_id))["status"] == "completed"
+    requests = fake_model.turn_requests()
+    assert model_view(requests[-1]) == [
+        ("user", said[0]),
+        ("assistant", answers_given[0]),
+        ("user", said[1]),
+        ("assistant", answers_given[1]),
+        ("user", said[2]),
+    ]
+    # The first turns' requests were not changed by what came after them.
+    assert model_view(requests[0]) == [("user", said[0])]
+    assert model_view(requests[1])[:2] == [("user", said[0]), ("assistant", answers_given[0])]
+
+
 # --- 3. mid-stream SSE error chunks -------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ from .provider_types import (
     ProviderEvent,
     TextDelta,
     ToolCall,
+    encode_body,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class OpenAIProvider:
         finish_reason = ""
         try:
             async with self._client.stream(
-                "POST", url, json=payload, headers=self._headers()
+                "POST", url, content=encode_body(payload), headers=self._headers()
             ) as resp:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode("utf-8", "replace")

@@ -4,9 +4,43 @@ typed kind and a safe message; and the `ChatProvider` protocol every provider im
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+def dumps(value: Any) -> bytes:
+    """JSON as the request body carries it: UTF-8, compact, no NaN."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+class EncodedMessage(dict[str, Any]):
+    """A model-input message whose JSON is worked out once, where the turn's input is built
+    (a worker thread, F7), and joined into the request body as it is (`encode_body`): the
+    event loop never serialises a dialog's history, only what a turn adds to it. Never
+    changed once built: a change is a copy (`{**m, ...}`, a plain dict)."""
+
+    __slots__ = ("_json",)
+
+    def encoded(self) -> bytes:
+        try:
+            return self._json
+        except AttributeError:
+            self._json: bytes = dumps(self)
+            return self._json
+
+
+def encode_body(payload: dict[str, Any]) -> bytes:
+    """A chat completion request's body: its messages joined from their kept JSON where
+    they have it (`EncodedMessage`), each other field as `dumps` gives it."""
+    messages = payload.get("messages")
+    if not messages:
+        return dumps(payload)
+    head = dumps({k: v for k, v in payload.items() if k != "messages"})
+    parts = [m.encoded() if isinstance(m, EncodedMessage) else dumps(m) for m in messages]
+    comma = b"," if len(head) > 2 else b""
+    return b"".join((head[:-1], comma, b'"messages":[', b",".join(parts), b"]}"))
 
 
 @dataclass(slots=True)

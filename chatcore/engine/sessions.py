@@ -69,8 +69,9 @@ def dialog_after_delete(*, owner: User, channel: str, chat_id: str) -> Session:
 
 
 def message_bytes(message: Message) -> int:
-    """What a cached message costs in memory, roughly: its text plus the model instance."""
-    size = sys.getsizeof(message.content) + MESSAGE_OVERHEAD_BYTES
+    """What a cached message costs in memory, roughly: its text, once more for the JSON of
+    its model form (kept once built, `turns.builder`), plus the model instance."""
+    size = 2 * sys.getsizeof(message.content) + MESSAGE_OVERHEAD_BYTES
     if message.tool_calls:
         size += len(str(message.tool_calls))
     return size

@@ -27,6 +27,7 @@ from chatcore.common.dbthreads import on_db, start_on_db
 from sessions_app import selectors
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
+from ..provider_types import EncodedMessage
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from .outcome import PendingMessage
@@ -141,7 +142,7 @@ def _replayed(m: Message) -> _Replayed:
     if memo is None:
         answer = m.role == "assistant" and not m.tool_calls
         memo = _Replayed(
-            item=_Item(message_to_openai(m), m.pk, tokens={}),
+            item=_Item(EncodedMessage(message_to_openai(m)), m.pk, tokens={}),
             id=str(m.id),
             skipped=m.kind == MessageKind.WELCOME or m.role == "system",
             answer=answer,
@@ -170,6 +171,12 @@ def _replay(items: list[_Item], answers: dict[str, int], m: Message, r: _Replaye
     items.append(r.item)
     if r.answer:
         answers[r.id] = len(items) - 1
+
+
+def _encoded(m: dict[str, Any]) -> EncodedMessage:
+    out = m if isinstance(m, EncodedMessage) else EncodedMessage(m)
+    out.encoded()
+    return out
 
 
 def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
@@ -295,6 +302,9 @@ class TurnInputBuilder:
             )
             # Messages outside the read window were left out for the budget too.
             prepared.dropped_for_budget += skipped
+            # F7: the request body's JSON, here rather than on the event loop; a message
+            # seen before keeps its own, so this encodes only what is new since.
+            prepared.messages = [_encoded(m) for m in prepared.messages]
             return prepared
 
         return await on_db(build)()

@@ -414,6 +414,7 @@ def messages_append(
     extra: Callable[[Session], None] | None = None,
     session: Session | None = None,
     guard: Callable[[Session], None] | None = None,
+    then: Callable[[], None] | None = None,
 ) -> Appended:
     """Append messages atomically; returns them with their seqs (A3, A4).
 
@@ -422,7 +423,8 @@ def messages_append(
     inside the same transaction (a turn's status update commits with its messages).
     `session`, when the caller has it, names the clients to notify if the write fails.
     `guard` sees the locked session row before anything is written and may refuse by raising
-    (G2: a turn's writes check its lease's epoch in the same transaction).
+    (G2: a turn's writes check its lease's epoch in the same transaction). `then` runs last
+    inside the transaction, after the writes (a read that must see them, on the locked row).
     """
     if not messages:
         raise ValueError("nothing to append")
@@ -444,6 +446,8 @@ def messages_append(
             # this, not one round trip per write.
             with rows_merged():
                 appended = append_locked(locked, messages, turn=turn, extra=extra)
+            if then is not None:
+                then()
             if publish_delta:
                 transaction.on_commit(lambda: announce_appended(appended, turn))
             return appended

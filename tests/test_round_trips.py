@@ -246,6 +246,52 @@ async def test_no_statement_runs_while_the_answer_streams(
     assert statements == [], "\n".join(statements)
 
 
+async def test_a_turns_end_is_its_last_boundary_and_one_transaction(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6, C4, C9 (from the model's last token to the worker's next step: the last
+    # step boundary's look for staged inputs, then one transaction that commits the answer
+    # and the turn's end and reads what is left after it: staged inputs, queued turns, the
+    # party's waiting dialogs; no trip of its own for that read)
+    from chatcore.engine import worker
+
+    settings.CHAT = {
+        **settings.CHAT,
+        "LEASE_SECONDS": 600,
+        "CHECKPOINT_SECONDS": 600,
+        "AUTO_TITLE_AFTER": 1000,
+    }
+    monkeypatch.setattr(worker, "LINGER_SECONDS", 5.0)  # the lease's release comes later
+    engine = await make_engine(name="turn-end")
+    session = await make_dialog(user)
+    await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
+    rec = await recorder(chat_group_of(session))
+    gate = threading.Event()
+    fake_model.script(Reply(text="the whole answer", gate=gate))
+    counter = TripCounter(monkeypatch)
+    ack = await send(engine, session, "answer me")
+    await fake_model.requests_made(1)
+    await asyncio.sleep(0.2)  # the answer's text is in; the stream holds before its end
+    try:
+        counter.counting.set()
+        gate.set()
+        done = await rec.terminal(ack.turn_id, timeout=15)
+        await asyncio.sleep(0.3)  # anything the worker does after the end, before the linger
+        trips, statements = counter.snapshot()
+    finally:
+        counter.counting.clear()
+    assert done["status"] == "completed"
+    assert len(trips) == 2, "\n".join(trips)
+    assert trips[0].startswith("autocommit:") and trips[1].startswith("transaction")
+    print("\n".join(statements))
+    contents = [
+        m.content
+        async for m in session.messages.order_by("seq").exclude(role="system")
+        if m.content
+    ]
+    assert contents[-2:] == ["answer me", "the whole answer"]
+
+
 async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_claim(
     make_engine, fake_model, recorder, user, settings, monkeypatch
 ):

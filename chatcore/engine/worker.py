@@ -565,6 +565,15 @@ class Workers:
     ) -> None:
         fence = local.lease
         assert fence is not None
+        # What is left after the turn (staged inputs, queued turns, the party's waiting
+        # dialogs) is read in the commit's transaction, on the row it locked (G6: no trip of
+        # its own): a client that sends as soon as it sees `turn_updated` finds that read
+        # done. A kick from here on (a send queued behind this turn, whose admission waits
+        # for the commit's lock) is the worker's to see; one before was for a turn the read
+        # finds.
+        wake = self._wakeups.get(session.pk)
+        if wake is not None:
+            wake.clear()
         try:
             # A4, G6: the backoff between attempts waits on the loop, not on a database thread.
             result = await storage.astorage_retry(
@@ -575,6 +584,7 @@ class Workers:
                     base_generation=generation,
                     states=self.states,
                     fence=fence,
+                    after=lambda: queue.after_turn_read(turn, fence),
                 ),
                 what="turn_commit",
                 session=session,
@@ -610,16 +620,17 @@ class Workers:
         # client that sends as soon as it sees `turn_updated` never waits for a claim of its
         # own (G6).
         self._between.add(session.pk)
-        # What is left after the turn (staged inputs, queued turns, the party's waiting
-        # dialogs), read while the end goes out: a client that sends as soon as it sees
-        # `turn_updated` finds that read done, not beside its admission. A kick from here on
-        # (a send queued behind this turn) is the worker's to see; one before was for a turn
-        # the read finds.
-        wake = self._wakeups.get(session.pk)
-        if wake is not None:
-            wake.clear()
-        left = asyncio.ensure_future(
-            storage.astorage_retry(lambda: queue.after_turn_read(turn, fence), what="after_turn")
+        # A turn that ended without messages to commit (or whose commit failed) reads what is
+        # left on its own, while its end goes out.
+        found_in_commit = result.after
+        left = (
+            None
+            if isinstance(found_in_commit, queue.AfterTurn)
+            else asyncio.ensure_future(
+                storage.astorage_retry(
+                    lambda: queue.after_turn_read(turn, fence), what="after_turn"
+                )
+            )
         )
         if local.drained is not None:
             # D1: the turn's last snapshot reaches its clients before its terminal.
@@ -672,7 +683,8 @@ class Workers:
                 )
                 await reset_db()
         try:
-            found = await left
+            found = await left if left is not None else found_in_commit
+            assert isinstance(found, queue.AfterTurn)
             if not found.queued:
                 self._found_empty.add(session.pk)
             if not found.party_waiting:

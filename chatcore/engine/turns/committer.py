@@ -8,6 +8,7 @@ process that lost the dialog's lease gets `LeaseLost` and has written nothing.""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ class CommitResult:
     appended: services.Appended | None = None
     # E5: why a completed answer is not whole (`truncated`, `filtered`, `empty`), in words.
     notice: dict[str, str] | None = None
+    # What `commit_outcome`'s `after` returned, read in the commit's transaction; None when
+    # it did not run there (the caller reads it on its own).
+    after: object = None
 
 
 def _new(p: PendingMessage) -> services.NewMessage:
@@ -99,11 +103,15 @@ def commit_outcome(
     base_generation: int,
     states: SessionStates,
     fence: Lease | None = None,
+    after: Callable[[], object] | None = None,
 ) -> CommitResult:
     """Commit a turn's end. With `fence`, raises `LeaseLost` (having written nothing) when
     the lease was lost. It publishes nothing: the caller announces `result.appended`, then
     the terminal, from wherever it runs (the worker from the event loop, so no database
-    thread waits on the channel layer while it holds a connection)."""
+    thread waits on the channel layer while it holds a connection). `after`: a read run in
+    the transaction that commits the turn's messages, after its writes, on the dialog's row
+    as the commit locked it (G6: the worker's after-turn read, no trip of its own); its
+    value is `result.after` (None when the turn ended without messages to commit)."""
     session_pk = turn.session_id
     if isinstance(outcome, Stale):
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
@@ -152,6 +160,12 @@ def commit_outcome(
     if not messages:
         _finish_turn_durably(turn.pk, None, fence, status=status, reason=reason, **extra_fields)
         return CommitResult(status, reason=reason, error=error, notice=notice)
+    found: list[object] = []
+
+    def read_after() -> None:
+        assert after is not None
+        found[:] = [after()]  # an attempt rolled back and run again reads again
+
     try:
         appended = services.messages_append(
             session_pk=session_pk,
@@ -162,6 +176,7 @@ def commit_outcome(
             extra=finish,
             guard=fence.guard if fence is not None else None,
             publish_delta=False,
+            then=read_after if after is not None else None,
         )
     except services.StaleSession:
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
@@ -169,7 +184,14 @@ def commit_outcome(
     except StorageError:
         return commit_persistence_failure(turn_pk=turn.pk, fence=fence)
     states.apply_appended(appended)
-    return CommitResult(status, reason=reason, error=error, appended=appended, notice=notice)
+    return CommitResult(
+        status,
+        reason=reason,
+        error=error,
+        appended=appended,
+        notice=notice,
+        after=found[0] if found else None,
+    )
 
 
 def commit_persistence_failure(*, turn_pk: Any, fence: Lease | None = None) -> CommitResult:

@@ -101,6 +101,55 @@ async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
     assert contents[-2:] == ["hello", "first token"]
 
 
+async def test_a_send_to_an_idle_dialog_reaches_the_model_after_two_hand_offs_from_the_loop(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6 (issue 10 item 2: the send admitted, claimed under the lease and its user
+    # message recorded in one trip to a database thread, the model request right after: where
+    # the admission is round trips to a server, the turn's input is built from the context
+    # read beside it as soon as it commits, handed on by its own thread, not by the event
+    # loop after it; on SQLite the build is the one trip after the admission)
+    from chatcore.common import dbthreads
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="hand-offs")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    fake_model.script(Reply(text="an earlier answer"))
+    first = await send(engine, session, "earlier")
+    assert (await rec.terminal(first.turn_id))["status"] == "completed"
+    await engine.wait_idle(session.pk)
+    await asyncio.sleep(0.5)  # past the lease's linger: the dialog is idle, its lease free
+    loop_thread = threading.current_thread()
+    from_loop: list[str] = []
+    counting = threading.Event()
+    threads = dbthreads.executor()
+    real_submit = threads.submit
+
+    def submit(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if counting.is_set() and threading.current_thread() is loop_thread:
+            from_loop.append(repr(args[-1] if args else fn))
+        return real_submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(threads, "submit", submit)
+    gate = threading.Event()
+    fake_model.script(Reply(text="the answer", gate=gate))
+    try:
+        counting.set()
+        ack = await send(engine, session, "now")
+        await fake_model.requests_made(2)
+        counting.clear()
+    finally:
+        gate.set()
+    assert (await rec.terminal(ack.turn_id))["status"] == "completed"
+    assert len(from_loop) <= 2, "\n".join(from_loop)
+    # The model saw the whole dialog, the new message last.
+    assert [m["content"] for m in fake_model.turn_requests()[-1].messages[1:-1]] == [
+        "earlier",
+        "an earlier answer",
+    ]
+
+
 async def test_a_send_right_after_an_answer_starts_under_the_lingering_lease(
     make_engine, fake_model, user, settings, monkeypatch
 ):

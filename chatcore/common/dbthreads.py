@@ -17,6 +17,7 @@ way, so the next call connects again (G5). A call never leaves a transaction ope
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
 import threading
@@ -66,15 +67,18 @@ def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     return sync_to_async(functools.partial(_call, fn), thread_sensitive=False, executor=executor())
 
 
-def start_on_db(fn: Callable[[], T]) -> asyncio.Future[T] | None:
-    """`on_db(fn)()` handed to a database thread now, not when the caller next awaits: for a
-    read meant to run beside a call the caller makes right after (a send's context beside
-    its admission), which would otherwise reach the threads first. None for a synchronous
-    caller, whose calls run on its own thread one after another."""
+def start_on_db(fn: Callable[[], T]) -> concurrent.futures.Future[T] | None:
+    """`fn` handed to a database thread now, not when the caller next awaits: for a read
+    meant to run beside a call the caller makes right after (a send's context beside its
+    admission), which would otherwise reach the threads first. The thread's own future: the
+    loop waits on it through `asyncio.wrap_future`, and the call made right after may wait
+    on it from its database thread (it reached the threads first, so it is under way or
+    done by then, never queued behind the waiter). None for a synchronous caller, whose
+    calls run on its own thread one after another."""
     if getattr(AsyncToSync.executors, "current", None) is not None:
         return None
     context = contextvars.copy_context()
-    return asyncio.wrap_future(executor().submit(context.run, _call, fn))
+    return executor().submit(context.run, _call, fn)
 
 
 def _call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

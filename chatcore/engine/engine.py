@@ -16,6 +16,7 @@ row's `cancel_requested` flag as a fallback (C6).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -30,7 +31,7 @@ from django.contrib.auth.models import User
 from django.db import connection
 
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import Lane
+from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import storage
 from sessions_app.models import Session, TurnStatus
 
@@ -45,7 +46,7 @@ from .sessions import SessionStates
 from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
 from .tools import ToolRegistry, registry_from_settings
-from .turns.builder import TurnInputBuilder
+from .turns.builder import PreparedInput, ReadAhead, TurnInputBuilder
 from .worker import Workers
 
 __all__ = ["Ack", "Engine", "Inbound", "LocalTurn", "StopResult"]
@@ -197,21 +198,31 @@ class Engine:
             and (start_as is not None or held is not None)
             else None
         )
+
+        def admit() -> tuple[Ack, queue.Started | None]:
+            ack, started = queue.admit_and_start(
+                inbound,
+                session,
+                cfg=self.cfg,
+                states=self.states,
+                start_as=start_as,
+                held=held,
+                before_commit=charged.wait if charged is not None else None,
+            )
+            if started is not None and ahead is not None:
+                # G6: the turn's input is built from the read beside the admission, on a
+                # database thread from the moment the admission has committed, while the ack
+                # and the user message's delta go out: the worker's first step is the model
+                # request.
+                started.prepared = start_on_db(
+                    functools.partial(self._prepare_beside, started, ahead)
+                )
+            return ack, started
+
         try:
             # A4: retries of the write wait on the loop, not on the database thread.
             ack, started = await storage.astorage_retry(
-                lambda: queue.admit_and_start(
-                    inbound,
-                    session,
-                    cfg=self.cfg,
-                    states=self.states,
-                    start_as=start_as,
-                    held=held,
-                    before_commit=charged.wait if charged is not None else None,
-                ),
-                what="admit",
-                session=session,
-                lane=self.writes,
+                admit, what="admit", session=session, lane=self.writes
             )
         except BaseException:
             if ahead is not None:
@@ -229,6 +240,19 @@ class Engine:
         elif ack.turn_id is not None:
             await self.kick(session.pk)
         return ack
+
+    def _prepare_beside(self, started: queue.Started, ahead: ReadAhead) -> PreparedInput | None:
+        """On a database thread, once the admission has committed: the started turn's input,
+        or None for the worker to build (`prepare`)."""
+        try:
+            return self.builder.prepare_beside(started.session, ahead)
+        except Exception:
+            logger.warning(
+                "could not build a turn's input beside its admission",
+                exc_info=True,
+                extra={"turn_id": str(started.turn.pk)},
+            )
+            return None
 
     # --- stop / retry / continue (C6, E5) ------------------------------------------------
 

@@ -7,6 +7,7 @@ carry its lease and check its epoch in the same transaction (G2, `lease.Lease.ch
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from . import lease, limits
 from .ingress import Ack, Inbound
 from .lease import Lease, LeaseLost
 from .sessions import SessionStates
-from .turns.builder import CONTINUE_INSTRUCTION, ReadAhead
+from .turns.builder import CONTINUE_INSTRUCTION, PreparedInput, ReadAhead
 from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
 
@@ -231,6 +232,9 @@ class Started:
     generation: int
     # The turn's context, read while the admission ran (`Engine.submit`), for its build.
     ahead: ReadAhead | None = None
+    # The turn's input, being built from that read since the admission committed
+    # (`Engine.submit`); None (or a None result): the worker builds it.
+    prepared: concurrent.futures.Future[PreparedInput | None] | None = None
 
 
 def _admit_locked(

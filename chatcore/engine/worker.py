@@ -421,7 +421,12 @@ class Workers:
             )
             continues, lead = queue.continuation(turn)
             try:
-                prepared = await self.builder.prepare(
+                # G6: a send's input may be under way since its admission committed.
+                prepared = (
+                    await asyncio.wrap_future(started.prepared)
+                    if started.prepared is not None
+                    else None
+                ) or await self.builder.prepare(
                     session_pk=session.pk,
                     runtime=runtime,
                     exclude_turn_partials=exclude,

@@ -14,6 +14,7 @@ dialog, and its cost per message already seen is a lookup.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ SYSTEM_PROMPT = (
 )
 RUNTIME_MARKER = "\n\n[runtime context]\n"
 TRIMMED_NOTE = "\n[... trimmed for the model's context ...]"
+# How long a send's admission, on its database thread, waits for the context read it
+# started beside itself before it builds the turn's input (`ReadAhead.valid_now`); past it
+# the worker reads and builds as without that read.
+READ_AHEAD_WAIT_SECONDS = 5.0
 # The read window: at most this many characters per token of the model's window are loaded
 # (newest first). Real text runs 3-5 characters a token; anything past 16 cannot fit anyway.
 WINDOW_CHARS_PER_TOKEN = 16
@@ -213,9 +218,10 @@ class ReadAhead:
     append (a compaction, a clear or another append since would show). Memory notes are
     per owner and read without a lock either way."""
 
-    def __init__(self, read: asyncio.Future[selectors.TurnContext]) -> None:
-        self._read = read
-        read.add_done_callback(_retrieve)
+    def __init__(self, read: concurrent.futures.Future[selectors.TurnContext]) -> None:
+        self._done = read
+        self._read = asyncio.wrap_future(read)
+        self._read.add_done_callback(_retrieve)
 
     def discard(self) -> None:
         """The send did not start its turn: nothing will use the read."""
@@ -228,6 +234,18 @@ class ReadAhead:
             found = await self._read
         except Exception:
             return None  # read again, as without it
+        return self._checked(found, session)
+
+    def valid_now(self, session: Session) -> selectors.TurnContext | None:
+        """`valid_for` from a database thread: the call after the read waits for it there."""
+        try:
+            found = self._done.result(timeout=READ_AHEAD_WAIT_SECONDS)
+        except Exception:
+            return None
+        return self._checked(found, session)
+
+    @staticmethod
+    def _checked(found: selectors.TurnContext, session: Session) -> selectors.TurnContext | None:
         if found.revision != (session.last_seq - 1, session.state_version - 1):
             return None
         return found
@@ -278,36 +296,65 @@ class TurnInputBuilder:
         transaction just read it (the claim, G6); without it, the row is read here.
         `ahead`: the context read while the turn's admission ran (`read_ahead`), used when
         nothing but the turn's own user message changed the dialog since."""
+        found = await ahead.valid_for(session) if ahead is not None else None
+        return await on_db(self._build)(
+            session_pk,
+            runtime,
+            session=session,
+            found=found,
+            pending=pending,
+            exclude_turn_partials=exclude_turn_partials,
+            budget_ratio=budget_ratio,
+        )
+
+    def prepare_beside(self, session: Session, ahead: ReadAhead) -> PreparedInput | None:
+        """A send's turn input, built on a database thread as soon as its admission has
+        committed and started its turn (`Engine.submit`, G6): from the context read beside the
+        admission, on the row the admission left, with no trip back to the event loop and out
+        again before the model request. None when that read cannot be used (the worker then
+        reads and builds, `prepare`)."""
+        found = ahead.valid_now(session)
+        if found is None:
+            return None
+        runtime = RuntimeInfo(
+            channel=session.channel, dialog_id=session.dialog_id, title=session.title
+        )
+        return self._build(session.pk, runtime, session=session, found=found)
+
+    def _build(
+        self,
+        session_pk: str,
+        runtime: RuntimeInfo,
+        *,
+        session: Session | None = None,
+        found: selectors.TurnContext | None = None,
+        pending: list[PendingMessage] | None = None,
+        exclude_turn_partials: str | None = None,
+        budget_ratio: float | None = None,
+    ) -> PreparedInput:
+        """On a database thread. G6: the context (compaction, history window, memory notes)
+        in one statement, beside the dialog row the claim read; F7: then the conversion,
+        counting and trimming, which grow with the dialog: all in one trip to that thread."""
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
         budget = int(self.context_window * ratio)
-        found = await ahead.valid_for(session) if ahead is not None else None
-
-        def build() -> PreparedInput:
-            # G6: the context (compaction, history window, memory notes) in one statement,
-            # beside the dialog row the claim read; F7: then the conversion, counting and
-            # trimming, which grow with the dialog: all in one trip to a database thread.
-            row, history, compaction, skipped, notes = self._load_context(
-                session_pk, session, found
-            )
-            prepared = self.assemble(
-                session=row,
-                history=history,
-                compaction=compaction,
-                notes=notes,
-                plan=row.plan or "",
-                runtime=runtime,
-                pending=pending or [],
-                exclude_turn_partials=exclude_turn_partials,
-                budget=budget,
-            )
-            # Messages outside the read window were left out for the budget too.
-            prepared.dropped_for_budget += skipped
-            # F7: the request body's JSON, here rather than on the event loop; a message
-            # seen before keeps its own, so this encodes only what is new since.
-            prepared.messages = [_encoded(m) for m in prepared.messages]
-            return prepared
-
-        return await on_db(build)()
+        row, history, compaction, skipped, notes = self._load_context(session_pk, session, found)
+        prepared = self.assemble(
+            session=row,
+            history=history,
+            compaction=compaction,
+            notes=notes,
+            plan=row.plan or "",
+            runtime=runtime,
+            pending=pending or [],
+            exclude_turn_partials=exclude_turn_partials,
+            budget=budget,
+        )
+        # Messages outside the read window were left out for the budget too.
+        prepared.dropped_for_budget += skipped
+        # F7: the request body's JSON, here rather than on the event loop; a message seen
+        # before keeps its own, so this encodes only what is new since.
+        prepared.messages = [_encoded(m) for m in prepared.messages]
+        return prepared
 
     async def recover_after_overflow(
         self,

@@ -423,17 +423,19 @@ class Workers:
             try:
                 # G6: a send's input may be under way since its admission committed.
                 prepared = (
-                    await asyncio.wrap_future(started.prepared)
-                    if started.prepared is not None
-                    else None
-                ) or await self.builder.prepare(
-                    session_pk=session.pk,
-                    runtime=runtime,
-                    exclude_turn_partials=exclude,
-                    pending=lead,
-                    session=session,
-                    ahead=started.ahead,
+                    None
+                    if started.prepared is None
+                    else await asyncio.wrap_future(started.prepared)
                 )
+                if prepared is None:
+                    prepared = await self.builder.prepare(
+                        session_pk=session.pk,
+                        runtime=runtime,
+                        exclude_turn_partials=exclude,
+                        pending=lead,
+                        session=session,
+                        ahead=started.ahead,
+                    )
             except Exception:
                 logger.exception("context preparation failed", extra=log)
                 failed = Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed")

@@ -42,9 +42,9 @@ SYSTEM_PROMPT = (
 )
 RUNTIME_MARKER = "\n\n[runtime context]\n"
 TRIMMED_NOTE = "\n[... trimmed for the model's context ...]"
-# How long a send's admission, on its database thread, waits for the context read it
-# started beside itself before it builds the turn's input (`ReadAhead.valid_now`); past it
-# the worker reads and builds as without that read.
+# How long the build of a send's input, started on a database thread once its admission
+# committed, waits for the context read made beside that admission (`ReadAhead.valid_now`);
+# past it the worker reads and builds as without that read.
 READ_AHEAD_WAIT_SECONDS = 5.0
 # The read window: at most this many characters per token of the model's window are loaded
 # (newest first). Real text runs 3-5 characters a token; anything past 16 cannot fit anyway.

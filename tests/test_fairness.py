@@ -12,7 +12,6 @@ ASGI application and REST API, and the fake model server counting concurrent cal
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from typing import Any
 
@@ -473,9 +472,15 @@ async def test_model_calls_of_a_process_are_bounded(
 def test_the_provider_client_does_not_cap_connections() -> None:
     # covers: F7, STYLE 6 (no max_connections; a small keep-alive pool; a short pool wait)
     from chatcore.engine.provider import OpenAIProvider
+    from chatcore.engine.provider_net import ModelTransport
 
-    provider = OpenAIProvider(base_url="http://127.0.0.1:9/v1", model="m")
-    pool = provider._client._transport._pool  # type: ignore[attr-defined]
-    assert pool._max_connections == sys.maxsize  # httpx's max_connections=None
-    assert pool._max_keepalive_connections == settings.LLM["MAX_KEEPALIVE_CONNECTIONS"]
+    provider = OpenAIProvider(
+        base_url="http://127.0.0.1:9/v1",
+        model="m",
+        max_keepalive_connections=settings.LLM["MAX_KEEPALIVE_CONNECTIONS"],
+    )
+    transport = provider._client._transport
+    # The transport has no connection cap at all; only its keep-alive pool is bounded.
+    assert isinstance(transport, ModelTransport)
+    assert transport._max_idle == settings.LLM["MAX_KEEPALIVE_CONNECTIONS"]
     assert provider._client.timeout.pool == settings.LLM["POOL_TIMEOUT"]

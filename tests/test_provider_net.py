@@ -99,6 +99,18 @@ def answer(pieces: list[str], *, keep: bool = True, step: int = 0, newline: byte
     return respond
 
 
+def writes_then_stalls(data: bytes, seconds: float) -> Respond:
+    """A responder: `data`, then nothing for `seconds`, then the connection closes."""
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(seconds)
+        return False
+
+    return respond
+
+
 async def collect(provider: OpenAIProvider) -> tuple[list[str], Completion]:
     deltas: list[str] = []
     async for event in provider.stream(messages=[{"role": "user", "content": "hi"}]):
@@ -107,6 +119,13 @@ async def collect(provider: OpenAIProvider) -> tuple[list[str], Completion]:
         elif isinstance(event, Completion):
             return deltas, event
     raise AssertionError("no completion")
+
+
+async def failure_of(provider: OpenAIProvider) -> str:
+    """The kind of the `ProviderError` an answer fails with."""
+    with pytest.raises(ProviderError) as failed:
+        await collect(provider)
+    return failed.value.kind
 
 
 @pytest.fixture
@@ -177,27 +196,17 @@ async def test_an_answer_larger_than_the_read_buffer_arrives_whole(serve) -> Non
 
 async def test_a_server_that_stalls_mid_answer_times_out(serve) -> None:
     # covers: E5, C10 (the read timeout holds on this layer too: the turn fails `timeout`)
-    async def stall(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
-        data = event_stream(["never", "finished"])
-        writer.write(head(len(data)) + data[:40])
-        await writer.drain()
-        await asyncio.sleep(5)
-        return False
-
-    _server, url = await serve(stall)
+    data = event_stream(["never", "finished"])
+    _server, url = await serve(writes_then_stalls(head(len(data)) + data[:40], 5))
     provider = provider_for(url, read_timeout=0.3)
-    with pytest.raises(ProviderError) as failed:
-        await collect(provider)
-    assert failed.value.kind == "timeout"
+    assert await failure_of(provider) == "timeout"
     await provider.aclose()
 
 
 async def test_an_unreachable_server_is_a_connection_error() -> None:
     # covers: E5, C10
     provider = provider_for(f"http://127.0.0.1:{free_port()}/v1")
-    with pytest.raises(ProviderError) as failed:
-        await collect(provider)
-    assert failed.value.kind == "connection"
+    assert await failure_of(provider) == "connection"
     await provider.aclose()
 
 
@@ -261,9 +270,7 @@ async def test_a_certificate_the_client_does_not_trust_is_refused(serve, tmp_pat
     server_tls, _client_tls = _self_signed(tmp_path)
     _server, url = await serve(answer(["no"]), tls=server_tls)
     provider = provider_for(url)
-    with pytest.raises(ProviderError) as failed:
-        await collect(provider)
-    assert failed.value.kind == "connection"
+    assert await failure_of(provider) == "connection"
     await provider.aclose()
 
 
@@ -294,3 +301,151 @@ def test_event_lines_are_read_whatever_their_ending() -> None:
     payloads, rest = sse_payloads(rest + b":3}\n\ndata: [DONE]\n\n")
     assert payloads == [b'{"c":3}']
     assert rest == b""
+
+
+def chunked(data: bytes, *, size: int = 0, extension: bytes = b"") -> bytes:
+    """`data` as a chunked body: one chunk per event (as model servers send them), or chunks
+    of `size` bytes; then the last chunk and a trailer."""
+    parts = data.split(b"\n\n")
+    pieces = (
+        [p + b"\n\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+        if not size
+        else [data[i : i + size] for i in range(0, len(data), size)]
+    )
+    out = b"".join(b"%x%s\r\n%s\r\n" % (len(p), extension, p) for p in pieces)
+    return out + b"0\r\nX-Trailer: ignored\r\n\r\n"
+
+
+CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+def answer_chunked(pieces: list[str], *, step: int = 0, size: int = 0, extension: bytes = b""):
+    """A responder: the stream of `pieces` as a chunked body, `step` bytes a write."""
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        data = CHUNKED_HEAD + chunked(event_stream(pieces), size=size, extension=extension)
+        for start in range(0, len(data), step or len(data)):
+            writer.write(data[start : start + (step or len(data))])
+            await writer.drain()
+            if step:
+                await asyncio.sleep(0)
+        return True
+
+    return respond
+
+
+@pytest.mark.parametrize(("step", "size"), [(1, 0), (5, 0), (0, 0), (0, 3), (13, 7)])
+async def test_a_chunked_answer_arrives_whole_however_its_bytes_are_split(
+    serve, step: int, size: int
+) -> None:
+    # covers: E5 (the transport's own HTTP/1.1 reading: chunk sizes, data and ends split
+    # across reads at any byte, chunk extensions and trailers skipped, the connection kept)
+    pieces = ["Grüße ", "aus ", "Köln 🌷", " — ", "ok"]
+    server, url = await serve(answer_chunked(pieces, step=step, size=size, extension=b";a=b"))
+    provider = provider_for(url)
+    for _ in range(2):
+        deltas, done = await collect(provider)
+        assert "".join(deltas) == done.text == "".join(pieces)
+        assert done.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert server.connections == 1
+    await provider.aclose()
+
+
+async def test_events_that_arrive_together_are_one_step_of_the_loop(serve) -> None:
+    # covers: F7 (issue 10: a busy loop reads several events of a stream at once, and the
+    # engine gets them as one delta, not one loop step per event)
+    pieces = [f"w{i} " for i in range(200)]
+    _server, url = await serve(answer_chunked(pieces))
+    provider = provider_for(url)
+    deltas, done = await collect(provider)
+    assert "".join(deltas) == done.text == "".join(pieces)
+    assert len(deltas) < 20, len(deltas)
+    await provider.aclose()
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        b"zz\r\ndata: {}\r\n",  # not a chunk size
+        b"4\r\ndata: {}\r\n",  # more data than the size said
+        b"0x4\r\ndata\r\n",  # a size with a prefix
+    ],
+)
+async def test_a_malformed_chunked_answer_is_a_clear_error(serve, broken: bytes) -> None:
+    # covers: E5, C10 (bad bytes from the model server fail the turn, they are never text)
+    _server, url = await serve(writes_then_stalls(CHUNKED_HEAD + broken, 1))
+    provider = provider_for(url, read_timeout=5)
+    assert await failure_of(provider) == "connection"
+    await provider.aclose()
+
+
+async def test_an_answer_cut_off_mid_chunk_fails_and_its_connection_is_not_reused(serve) -> None:
+    # covers: E5, G5 (the server went away mid-answer: an error, never a short answer)
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        data = CHUNKED_HEAD + chunked(event_stream(["half ", "an answer"]))
+        writer.write(data[: len(data) // 2])
+        await writer.drain()
+        return False
+
+    server, url = await serve(respond)
+    provider = provider_for(url)
+    for _ in range(2):
+        assert await failure_of(provider) == "connection"
+    assert server.connections == 2
+    await provider.aclose()
+
+
+async def test_an_error_status_with_a_chunked_body_is_read_and_the_connection_kept(serve) -> None:
+    # covers: E5 (a 429's body is read whole and classified; the connection is reused)
+    error = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
+    calls = 0
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            writer.write(
+                b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n" + chunked(error, size=10)
+            )
+        else:
+            data = event_stream(["fine"])
+            writer.write(head(len(data)) + data)
+        await writer.drain()
+        return True
+
+    server, url = await serve(respond)
+    provider = provider_for(url)
+    assert await failure_of(provider) == "rate_limited"
+    assert (await collect(provider))[1].text == "fine"
+    assert server.connections == 1
+    await provider.aclose()
+
+
+async def test_more_answers_stream_at_once_than_the_keep_alive_pool_holds(serve) -> None:
+    # covers: F7, STYLE 6 (issue 10 item 1: no cap on connections below the engine's own
+    # bound; the keep-alive pool stays small)
+    width = 30
+    everyone = asyncio.Event()
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        if len(server.requests) == width:
+            everyone.set()
+        await asyncio.wait_for(everyone.wait(), 10)  # each answer waits for all requests
+        data = event_stream(["at ", "once"])
+        writer.write(head(len(data)) + data)
+        await writer.drain()
+        return True
+
+    server, url = await serve(respond)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=2)
+    provider = provider_for(url, transport=ModelTransport(limits=limits))
+    done = await asyncio.gather(*(collect(provider) for _ in range(width)))
+    assert [c.text for _d, c in done] == ["at once"] * width
+    assert server.connections == width
+    # Two of them are kept for the next answers; the next answer reuses one.
+    assert (await collect(provider))[1].text == "at once"
+    assert server.connections == width
+    await provider.aclose()

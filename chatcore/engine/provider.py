@@ -209,6 +209,7 @@ class OpenAIProvider:
                 # every delta of every answer, on the loop all sockets share (F7). The text
                 # deltas of one read go out as one (the snapshot is the same, one hop less).
                 rest = b""
+                first = True
                 async for raw in resp.aiter_bytes():
                     payloads, rest = sse_payloads(rest + raw if rest else raw)
                     pieces: list[str] = []
@@ -223,6 +224,12 @@ class OpenAIProvider:
                             break
                         if piece:
                             pieces.append(piece)
+                    if pieces and first:
+                        # D1: the answer's first piece goes out alone, before the rest of
+                        # its read reaches the snapshot (its first frame is its first token).
+                        first = False
+                        text_parts.append(pieces[0])
+                        yield TextDelta(pieces.pop(0))
                     if pieces:
                         text = pieces[0] if len(pieces) == 1 else "".join(pieces)
                         text_parts.append(text)

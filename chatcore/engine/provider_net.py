@@ -1,19 +1,25 @@
-"""The model client's network layer (E5, F7): httpcore's connections on plain asyncio.
+"""The model client's transport (E5, F7): HTTP/1.1 on plain asyncio connections.
 
-httpx reads a streamed answer through httpcore, whose default network backend on asyncio is
-anyio: every read of every stream enters a cancel scope for its timeout, asks sniffio which
-event loop runs, and pauses and resumes the socket's reader. With a hundred answers streaming
-at once that was the largest item on the event loop, which every socket, snapshot and lease
-of the process shares. This backend keeps httpx and httpcore (HTTP/1.1 parsing, the pool,
-TLS, timeouts, errors) and gives them a stream built on an `asyncio.Protocol`: bytes the
-kernel delivered wait in a buffer, a read takes what is there without a scheduling round
-trip, and the read timeout is one timer per connection, moved on lazily (not one timer per
-read, made and cancelled thousands of times a second). Flow control holds: reading pauses
-past `HIGH_WATER` bytes unread and resumes once the reader caught up; a write waits while the
-kernel's buffer is full.
+Every delta of every answer streams through here, on the event loop that every socket,
+snapshot and lease of the process shares. httpx's default transport reads through httpcore,
+h11 and anyio: each read entered a cancel scope for its timeout and asked sniffio which loop
+runs, and each server-sent event (a model server sends one HTTP chunk per event) climbed
+h11's chunk reader and five async generators on its own. At a hundred streams that was the
+loop's largest item. `ModelTransport` keeps httpx's client (requests, responses, timeouts,
+errors, content decoding) and does the HTTP/1.1 itself:
 
-The pool is the transport's own (`ModelTransport`), with the limits it was given: no cap on
-connections (F7: the engine bounds model calls where users see it), a small keep-alive pool.
+- a connection is an `asyncio.Protocol` whose buffer holds what the kernel delivered: a read
+  takes what is there without a scheduling round trip, and the read timeout is one timer per
+  connection, moved on lazily (not one timer per read). Flow control holds: reading pauses
+  past `HIGH_WATER` bytes unread and resumes once the reader caught up; a write waits while
+  the kernel's buffer is full;
+- a response is parsed in one pass per read (`ChunkedDecoder`, or by Content-Length, or up
+  to the close): the events that arrived together go up as one piece, so a busy loop pays
+  one step for all of them, never one per event;
+- the pool has no cap on connections (F7: the engine bounds model calls where users see it)
+  and keeps a few alive for the next request; one the server ended, or that was not read to
+  its end, is never reused.
+
 A proxy from the environment (`HTTPS_PROXY` and the like) keeps httpx's default transport,
 which knows how to use it (`provider_transport`).
 """
@@ -21,20 +27,19 @@ which knows how to use it (`provider_transport`).
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
+import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import AsyncIterator
 
-import httpcore
 import httpx
-from httpcore import AsyncNetworkBackend, AsyncNetworkStream
 
+# The most one read hands on: what one loop step parses at most (F7), as httpcore read.
+READ_BYTES = 64 * 1024
 # Unread bytes past which the socket's reading pauses until the stream's reader catches up.
 HIGH_WATER = 256 * 1024
-
-SocketOption = Any  # httpcore's SOCKET_OPTION: (level, name, value) or (level, name, None, len)
 
 
 class _Protocol(asyncio.Protocol):
@@ -170,165 +175,377 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(TimeoutError())
 
 
-class AsyncioStream(AsyncNetworkStream):
-    """httpcore's view of one connection (`read`, `write`, `start_tls`, `aclose`)."""
+# The longest status line, header block or chunk-size line a model server may send.
+MAX_HEAD = 64 * 1024
+MAX_LINE = 4 * 1024
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_NO_BODY_STATUSES = frozenset({204, 304})
 
-    def __init__(self, transport: asyncio.Transport, protocol: _Protocol) -> None:
-        self._transport = transport
-        self._protocol = protocol
+Origin = tuple[str, str, int]  # scheme, host, port
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        protocol = self._protocol
+
+class ChunkedDecoder:
+    """`Transfer-Encoding: chunked`, incrementally: `feed` takes what arrived and returns the
+    data of every chunk in it at once, however many chunks one read holds (a server sends one
+    per event). Lines may end with CRLF or LF; extensions and trailers are skipped."""
+
+    SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
+
+    def __init__(self) -> None:
+        self.state = self.SIZE
+        self._left = 0
+        self._buffer = b""
+
+    @property
+    def done(self) -> bool:
+        return self.state == self.DONE
+
+    @property
+    def leftover(self) -> bytes:
+        """Bytes after the last chunk's trailer (a server that sent more than its answer)."""
+        return self._buffer if self.done else b""
+
+    def feed(self, data: bytes) -> bytes:
+        buffer = self._buffer + data if self._buffer else data
+        size = len(buffer)
+        pos = 0
+        out: list[bytes] = []
+        while pos < size and self.state != self.DONE:
+            if self.state == self.DATA:
+                take = min(self._left, size - pos)
+                out.append(buffer[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self.state = self.DATA_END
+                continue
+            end = buffer.find(b"\n", pos)
+            if end < 0:
+                if size - pos > MAX_LINE:
+                    raise httpx.RemoteProtocolError("a chunk line of the model server is too long")
+                break
+            line = buffer[pos:end].rstrip(b"\r")
+            pos = end + 1
+            if self.state == self.DATA_END:
+                if line:
+                    raise httpx.RemoteProtocolError("a chunk of the model server overran its size")
+                self.state = self.SIZE
+            elif self.state == self.SIZE:
+                digits = line.split(b";", 1)[0].strip()
+                if not _HEX.fullmatch(digits):
+                    raise httpx.RemoteProtocolError("the model server sent a malformed chunk size")
+                self._left = int(digits, 16)
+                self.state = self.DATA if self._left else self.TRAILER
+            elif not line:  # TRAILER: its empty line ends the body
+                self.state = self.DONE
+        self._buffer = buffer[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+class _Connection:
+    """One HTTP/1.1 connection to the model server: what arrived waits in its `_Protocol`."""
+
+    def __init__(self, origin: Origin, transport: asyncio.Transport, protocol: _Protocol) -> None:
+        self.origin = origin
+        self.transport = transport
+        self.protocol = protocol
+        self.idle_since = 0.0
+
+    def usable(self) -> bool:
+        """An idle kept-alive connection the server has not ended (nothing to read, not
+        closed): one it did end is dropped instead of sent on."""
+        protocol = self.protocol
+        return not (
+            protocol.chunks or protocol.eof or protocol.error or self.transport.is_closing()
+        )
+
+    async def read(self, timeout: float | None, request: httpx.Request) -> bytes:
+        """What arrived (waiting up to `timeout` for something), or b"" at the end."""
+        protocol = self.protocol
         if not protocol.chunks:
             if protocol.error is not None:
-                raise httpcore.ReadError(str(protocol.error) or "connection lost")
+                raise httpx.ReadError(str(protocol.error) or "connection lost", request=request)
             if protocol.eof:
                 return b""
             try:
                 await protocol.wait_readable(timeout)
             except TimeoutError as exc:
-                raise httpcore.ReadTimeout("timed out reading from the model server") from exc
+                raise httpx.ReadTimeout(
+                    "timed out reading from the model server", request=request
+                ) from exc
             if not protocol.chunks:
                 if protocol.error is not None:
-                    raise httpcore.ReadError(str(protocol.error) or "connection lost")
+                    raise httpx.ReadError(str(protocol.error) or "connection lost", request=request)
                 return b""
-        return protocol.take(max_bytes)
+        return protocol.take(READ_BYTES)
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if not buffer:
-            return
-        if self._transport.is_closing() or self._protocol.error is not None:
-            raise httpcore.WriteError("the connection to the model server is closed")
-        self._transport.write(buffer)
+    async def write(self, data: bytes, timeout: float | None, request: httpx.Request) -> None:
+        if self.transport.is_closing() or self.protocol.error is not None:
+            raise httpx.WriteError("the connection to the model server is closed", request=request)
+        self.transport.write(data)
         try:
-            await self._protocol.wait_writable(timeout)
+            await self.protocol.wait_writable(timeout)
         except TimeoutError as exc:
-            raise httpcore.WriteTimeout("timed out writing to the model server") from exc
-        if self._protocol.error is not None:
-            raise httpcore.WriteError(str(self._protocol.error))
+            raise httpx.WriteTimeout(
+                "timed out writing to the model server", request=request
+            ) from exc
+        if self.protocol.error is not None:
+            raise httpx.WriteError(str(self.protocol.error), request=request)
+
+    def close(self) -> None:
+        self.protocol.cancel_timer()
+        self.transport.close()
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response's body as it arrives: by Content-Length, chunked, or up to the close. The
+    connection goes back to the pool once the body was read whole and the server keeps it."""
+
+    def __init__(
+        self,
+        owner: ModelTransport,
+        conn: _Connection,
+        request: httpx.Request,
+        *,
+        first: bytes,
+        length: int | None,
+        chunked: bool,
+        keep: bool,
+        timeout: float | None,
+    ) -> None:
+        self._owner = owner
+        self._conn: _Connection | None = conn
+        self._request = request
+        self._first = first
+        self._length = length
+        self._decoder = ChunkedDecoder() if chunked else None
+        self._keep = keep and (chunked or length is not None)
+        self._timeout = timeout
+        self._whole = length == 0 and not chunked
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        if conn is None or self._whole:
+            return
+        decoder, left = self._decoder, self._length
+        data, self._first = self._first, b""
+        while True:
+            if not data:
+                data = await conn.read(self._timeout, self._request)
+                if not data:
+                    if decoder is None and left is None:
+                        self._whole = True  # a body delimited by the close: this is its end
+                        return
+                    raise httpx.RemoteProtocolError(
+                        "the model server closed the connection before the answer's end",
+                        request=self._request,
+                    )
+            if decoder is not None:
+                out = decoder.feed(data)
+                if decoder.done:
+                    self._whole = True
+                    self._keep = self._keep and not decoder.leftover
+                if out:
+                    yield out
+                if self._whole:
+                    return
+            elif left is not None:
+                if len(data) > left:
+                    self._keep = False  # more than the server said it would send
+                    data = data[:left]
+                left -= len(data)
+                self._whole = left == 0
+                yield data
+                if self._whole:
+                    return
+            else:
+                yield data
+            data = b""
 
     async def aclose(self) -> None:
-        self._protocol.cancel_timer()
-        self._transport.close()
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._whole and self._keep:
+            self._owner._release(conn)
+        else:
+            conn.close()
 
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
+
+class ModelTransport(httpx.AsyncBaseTransport):
+    """httpx's transport for the model server: HTTP/1.1 on plain asyncio connections, with a
+    small keep-alive pool and no cap on connections (F7). A response's bytes are parsed here
+    in one pass per read, not event by event: under load several of a stream's events wait
+    in one read, and one loop step carries them all."""
+
+    def __init__(self, *, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
+        self._ssl = httpx.create_ssl_context(verify=verify)
+        self._max_idle = (
+            limits.max_keepalive_connections
+            if limits.max_keepalive_connections is not None
+            else 1 << 30
+        )
+        self._expiry = limits.keepalive_expiry if limits.keepalive_expiry is not None else 5.0
+        self._idle: dict[Origin, deque[_Connection]] = {}
+        self._closed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        url = request.url
+        origin = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+        conn = self._take_idle(origin) or await self._connect(
+            origin, timeouts.get("connect"), request
+        )
         try:
-            transport = await asyncio.wait_for(
-                loop.start_tls(
-                    self._transport, self._protocol, ssl_context, server_hostname=server_hostname
+            await conn.write(
+                _request_head(request) + await _request_body(request),
+                timeouts.get("write"),
+                request,
+            )
+            return await self._response(conn, request, timeouts.get("read"))
+        except BaseException:
+            conn.close()
+            raise
+
+    async def _response(
+        self, conn: _Connection, request: httpx.Request, timeout: float | None
+    ) -> httpx.Response:
+        buffer = b""
+        while True:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > MAX_HEAD:
+                    raise httpx.RemoteProtocolError(
+                        "the model server's response head is too long", request=request
+                    )
+                data = await conn.read(timeout, request)
+                if not data:
+                    raise httpx.RemoteProtocolError(
+                        "the model server closed the connection without a response",
+                        request=request,
+                    )
+                buffer += data
+                continue
+            version, status, reason, headers = _parse_head(buffer[:end], request)
+            buffer = buffer[end + 4 :]
+            if 100 <= status < 200 and status != 101:
+                continue  # an informational response: the real one follows
+            break
+        fields: dict[bytes, list[bytes]] = {}
+        for name, value in headers:
+            fields.setdefault(name.lower(), []).append(value.lower())
+        connection = b",".join(fields.get(b"connection", []))
+        keep = b"close" not in connection and (
+            version == b"HTTP/1.1" or b"keep-alive" in connection
+        )
+        codings = b",".join(fields.get(b"transfer-encoding", []))
+        chunked = codings.rsplit(b",", 1)[-1].strip() == b"chunked"
+        length: int | None = None
+        if request.method == "HEAD" or status in _NO_BODY_STATUSES or status < 200:
+            length, chunked = 0, False
+        elif not chunked and b"content-length" in fields:
+            values = {v.strip() for v in b",".join(fields[b"content-length"]).split(b",")}
+            if len(values) != 1 or not next(iter(values)).isdigit():
+                raise httpx.RemoteProtocolError(
+                    "the model server sent a malformed Content-Length", request=request
+                )
+            length = int(next(iter(values)))
+        body = _Body(
+            self,
+            conn,
+            request,
+            first=buffer,
+            length=length,
+            chunked=chunked,
+            keep=keep,
+            timeout=timeout,
+        )
+        return httpx.Response(
+            status,
+            headers=headers,
+            stream=body,
+            extensions={"http_version": version, "reason_phrase": reason},
+        )
+
+    def _take_idle(self, origin: Origin) -> _Connection | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.usable() and now - conn.idle_since < self._expiry:
+                return conn
+            conn.close()
+        return None
+
+    def _release(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.origin, deque())
+        if self._closed or len(idle) >= self._max_idle or not conn.usable():
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    async def _connect(
+        self, origin: Origin, timeout: float | None, request: httpx.Request
+    ) -> _Connection:
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        tls = self._ssl if scheme == "https" else None
+        try:
+            transport, protocol = await asyncio.wait_for(
+                loop.create_connection(
+                    _Protocol, host, port, ssl=tls, server_hostname=host if tls else None
                 ),
                 timeout,
             )
         except TimeoutError as exc:
-            self._transport.close()
-            raise httpcore.ConnectTimeout("timed out in the TLS handshake") from exc
+            raise httpx.ConnectTimeout(
+                "timed out connecting to the model server", request=request
+            ) from exc
         except (OSError, ssl.SSLError) as exc:
-            self._transport.close()
-            raise httpcore.ConnectError(str(exc)) from exc
-        if transport is None:  # the server closed the connection during the handshake
-            raise httpcore.ConnectError("the model server closed the connection")
-        assert isinstance(transport, asyncio.Transport)
-        self._protocol.transport = transport
-        return AsyncioStream(transport, self._protocol)
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        assert isinstance(transport, asyncio.Transport) and isinstance(protocol, _Protocol)
+        return _Connection(origin, transport, protocol)
 
-    def get_extra_info(self, info: str) -> Any:
-        transport = self._transport
-        if info == "ssl_object":
-            return transport.get_extra_info("ssl_object")
-        if info == "client_addr":
-            return transport.get_extra_info("sockname")
-        if info == "server_addr":
-            return transport.get_extra_info("peername")
-        if info == "socket":
-            return transport.get_extra_info("socket")
-        if info == "is_readable":
-            # An idle kept-alive connection that has something to read, or was closed, is
-            # one the server ended: the pool drops it instead of sending on it.
-            protocol = self._protocol
-            return bool(protocol.chunks) or protocol.eof or transport.is_closing()
-        return None
+    async def aclose(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().close()
 
 
-class AsyncioBackend(AsyncNetworkBackend):
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[SocketOption] | None = None,
-    ) -> AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        local = (local_address, 0) if local_address else None
-        try:
-            transport, protocol = await asyncio.wait_for(
-                loop.create_connection(_Protocol, host, port, local_addr=local), timeout
-            )
-        except TimeoutError as exc:
-            raise httpcore.ConnectTimeout("timed out connecting to the model server") from exc
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        return _stream(transport, protocol, socket_options)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[SocketOption] | None = None,
-    ) -> AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        try:
-            transport, protocol = await asyncio.wait_for(
-                loop.create_unix_connection(_Protocol, path), timeout
-            )
-        except TimeoutError as exc:
-            raise httpcore.ConnectTimeout("timed out connecting to the model server") from exc
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        return _stream(transport, protocol, socket_options)
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+def _request_head(request: httpx.Request) -> bytes:
+    lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
+    lines += [name + b": " + value for name, value in request.headers.raw]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def _stream(
-    transport: asyncio.BaseTransport,
-    protocol: asyncio.BaseProtocol,
-    socket_options: Iterable[SocketOption] | None,
-) -> AsyncioStream:
-    assert isinstance(transport, asyncio.Transport) and isinstance(protocol, _Protocol)
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        # asyncio sets TCP_NODELAY on TCP connections itself; these are the caller's.
-        for option in socket_options or ():
-            sock.setsockopt(*option)
-    return AsyncioStream(transport, protocol)
+async def _request_body(request: httpx.Request) -> bytes:
+    body = b"".join([part async for part in request.stream])  # type: ignore[union-attr]
+    if request.headers.get("transfer-encoding", "").lower() == "chunked":
+        return (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+    return body
 
 
-class ModelTransport(httpx.AsyncHTTPTransport):
-    """httpx's transport (request and response mapping, errors) over a pool of our own whose
-    connections use `AsyncioBackend`."""
-
-    def __init__(
-        self, *, limits: httpx.Limits, verify: ssl.SSLContext | bool = True, retries: int = 0
-    ) -> None:
-        super().__init__(limits=limits, verify=verify, retries=retries)
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=verify),
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            http1=True,
-            http2=False,
-            retries=retries,
-            network_backend=AsyncioBackend(),
+def _parse_head(
+    head: bytes, request: httpx.Request
+) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]]]:
+    lines = head.split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    status, _, reason = rest.partition(b" ")
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(status) != 3 or not status.isdigit():
+        raise httpx.RemoteProtocolError(
+            "the model server sent a malformed status line", request=request
         )
+    headers = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise httpx.RemoteProtocolError(
+                "the model server sent a malformed header", request=request
+            )
+        headers.append((name, value.strip()))
+    return version, int(status), reason, headers
 
 
 def environment_proxy(url: str) -> bool:

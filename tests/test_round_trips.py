@@ -467,3 +467,67 @@ async def test_a_sends_context_read_beside_its_admission_is_used_unless_the_dial
     sent = json.dumps(fake_model.requests[-1].messages)
     assert "SUMMARY OF EVERYTHING SO FAR" in sent
     assert "first answer" not in sent and "three" in sent
+
+
+@pytest.mark.postgres
+async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_admission(
+    make_engine, fake_model, make_user, settings, monkeypatch
+):
+    # covers: G6, F7 (issue 10: a hundred sends at once; a turn already admitted is built
+    # ahead of the admissions still waiting for a database thread, so its first token does
+    # not wait for the burst's last admission)
+    from asgiref.sync import sync_to_async
+
+    from chatcore.common import dbthreads
+    from chatcore.engine import queue
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="burst-order")
+    width = dbthreads.thread_count() * 3
+    sessions = [
+        await make_dialog(await sync_to_async(make_user)(f"order{i}")) for i in range(width)
+    ]
+    log: list[str] = []
+    real_admit = queue.admit_and_start
+
+    def admit(*args: Any, **kwargs: Any) -> Any:
+        import time
+
+        found = real_admit(*args, **kwargs)
+        time.sleep(0.05)  # each admission holds its database thread a while
+        log.append("admitted")
+        return found
+
+    def reply(request: dict[str, Any]) -> Reply:
+        log.append("model request")
+        return Reply(text="hi")
+
+    monkeypatch.setattr(queue, "admit_and_start", admit)
+    fake_model.default = reply
+    acks = await asyncio.gather(*(send(engine, s, "hello") for s in sessions))
+    assert all(ack.turn_id is not None for ack in acks)
+    await engine.wait_idle()
+    assert log.count("model request") == width
+    # The first turn's request came once the first admissions were through, not after the
+    # admissions queued behind them (without the order: after two thirds of the burst).
+    assert log[: log.index("model request")].count("admitted") <= dbthreads.thread_count(), log
+
+
+def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() -> None:
+    # covers: G6, F7 (the database threads' order: first in line for a started turn's work)
+    from chatcore.common.dbthreads import DatabaseThreads
+
+    threads = DatabaseThreads(2, "order-test")
+    gate = threading.Event()
+    order: list[str] = []
+    busy = [threads.submit(gate.wait, 10) for _ in range(2)]
+    waiting = [threads.submit(order.append, f"admission {i}") for i in range(5)]
+    first = threads.submit_first(lambda: order.append("started turn"))
+    gate.set()
+    for future in [*busy, *waiting, first]:
+        future.result(timeout=10)
+    assert order[0] == "started turn"
+    assert sorted(order[1:]) == order[1:] == [f"admission {i}" for i in range(5)]
+    threads.shutdown()
+    with pytest.raises(RuntimeError):
+        threads.submit(order.append, "late")

@@ -22,6 +22,7 @@ import contextvars
 import functools
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,22 +38,98 @@ I = TypeVar("I")  # noqa: E741 (an item)
 R = TypeVar("R")
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
+_executor: DatabaseThreads | None = None
 
 
 def thread_count() -> int:
     return max(1, int(settings.CHAT.get("DB_THREADS", 6)))
 
 
-def executor() -> ThreadPoolExecutor:
+class DatabaseThreads(concurrent.futures.Executor):
+    """A fixed set of threads taking calls in order, except that a call that carries on work
+    already admitted (`submit_first`: a started turn's input) goes before the calls still
+    waiting. A burst of a hundred sends queues a hundred admissions; a turn admitted first
+    must not wait for all of them before its model request, or every first token of the
+    burst waits for the last admission."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers = workers
+        self._name = name
+        self._first: deque[_Work] = deque()
+        self._rest: deque[_Work] = deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._threads: list[threading.Thread] = []
+        self._shutdown = False
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        return self._put(self._rest, functools.partial(fn, *args, **kwargs))
+
+    def submit_first(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """`submit`, ahead of every call that is still waiting."""
+        return self._put(self._first, fn)
+
+    def _put(self, line: deque[_Work], fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._ready:
+            if self._shutdown:
+                raise RuntimeError("the database threads are shut down")
+            if not self._threads:
+                for i in range(self._workers):
+                    thread = threading.Thread(
+                        target=self._work, name=f"{self._name}_{i}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
+            line.append((future, fn))
+            self._ready.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._first and not self._rest and not self._shutdown:
+                    self._ready.wait()
+                if self._first:
+                    future, fn = self._first.popleft()
+                elif self._rest:
+                    future, fn = self._rest.popleft()
+                else:
+                    return  # shut down, nothing left
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del future, fn
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._ready:
+            self._shutdown = True
+            if cancel_futures:
+                for line in (self._first, self._rest):
+                    while line:
+                        line.popleft()[0].cancel()
+            self._ready.notify_all()
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
+_Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
+def executor() -> DatabaseThreads:
     """The process's database threads (created on first use)."""
     global _executor
     if _executor is None:
         with _lock:
             if _executor is None:
-                _executor = ThreadPoolExecutor(
-                    max_workers=thread_count(), thread_name_prefix="chat-db"
-                )
+                _executor = DatabaseThreads(thread_count(), "chat-db")
     return _executor
 
 
@@ -64,21 +141,26 @@ def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     `sync_to_async` does: the call then sees the caller's connection and open transaction."""
     if getattr(AsyncToSync.executors, "current", None) is not None:
         return sync_to_async(fn, thread_sensitive=True)
-    return sync_to_async(functools.partial(_call, fn), thread_sensitive=False, executor=executor())
+    # asgiref's stubs name ThreadPoolExecutor; it only calls the executor's `submit`.
+    return sync_to_async(  # type: ignore[call-overload]
+        functools.partial(_call, fn), thread_sensitive=False, executor=executor()
+    )
 
 
-def start_on_db(fn: Callable[[], T]) -> concurrent.futures.Future[T] | None:
+def start_on_db(fn: Callable[[], T], *, first: bool = False) -> concurrent.futures.Future[T] | None:
     """`fn` handed to a database thread now, not when the caller next awaits: for a read
     meant to run beside a call the caller makes right after (a send's context beside its
-    admission), which would otherwise reach the threads first. The thread's own future: the
-    loop waits on it through `asyncio.wrap_future`, and the call made right after may wait
-    on it from its database thread (it reached the threads first, so it is under way or
-    done by then, never queued behind the waiter). None for a synchronous caller, whose
-    calls run on its own thread one after another."""
+    admission), which would otherwise reach the threads first; `first`: ahead of the calls
+    still waiting (work of a turn already started, `DatabaseThreads.submit_first`). The
+    thread's own future: the loop waits on it through `asyncio.wrap_future`, and the call
+    made right after may wait on it from its database thread (it reached the threads first,
+    so it is under way or done by then, never queued behind the waiter). None for a
+    synchronous caller, whose calls run on its own thread one after another."""
     if getattr(AsyncToSync.executors, "current", None) is not None:
         return None
     context = contextvars.copy_context()
-    return executor().submit(context.run, _call, fn)
+    call = functools.partial(context.run, _call, fn)
+    return executor().submit_first(call) if first else executor().submit(call)
 
 
 def _call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

@@ -213,9 +213,10 @@ class Engine:
                 # G6: the turn's input is built from the read beside the admission, on a
                 # database thread from the moment the admission has committed, while the ack
                 # and the user message's delta go out: the worker's first step is the model
-                # request.
+                # request. Ahead of the admissions still waiting (a burst's first turns do
+                # not wait for its last admission).
                 started.prepared = start_on_db(
-                    functools.partial(self._prepare_beside, started, ahead)
+                    functools.partial(self._prepare_beside, started, ahead), first=True
                 )
             return ack, started
 

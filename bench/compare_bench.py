@@ -280,6 +280,9 @@ class Stream:
     ok: bool
     # Why not ok: a gap in the snapshots, the turn's end, or the rebuilt text's difference.
     why: str = ""
+    # Send to `queued` and to the turn's first `history_delta` (the platform only).
+    queued: float = 0.0
+    started: float = 0.0
 
 
 async def one_client(
@@ -306,12 +309,17 @@ async def one_client(
             sent_at = time.perf_counter()
             await ws.send(json.dumps({"type": "send", "content": content}))
             first = None
+            queued = started = 0.0
             text = ""
             why: list[str] = []
             while True:
                 frame = json.loads(await ws.recv())
                 kind = frame["type"]
-                if kind == "turn_snapshot":
+                if kind == "queued":
+                    queued = queued or time.perf_counter() - sent_at
+                elif kind == "history_delta":
+                    started = started or time.perf_counter() - sent_at
+                elif kind == "turn_snapshot":
                     first = first or time.perf_counter()
                     if frame["text_offset"] > len(text):
                         why.append(f"gap: offset {frame['text_offset']} after {len(text)} chars")
@@ -331,7 +339,16 @@ async def one_client(
                 why.append(f"text: {len(text)} of {len(expected)} chars, same up to {same}")
             now = time.perf_counter()
             out.append(
-                Stream((first or now) - sent_at, sent_at, now, len(text), not why, "; ".join(why))
+                Stream(
+                    (first or now) - sent_at,
+                    sent_at,
+                    now,
+                    len(text),
+                    not why,
+                    "; ".join(why),
+                    queued,
+                    started,
+                )
             )
     return out
 
@@ -379,6 +396,16 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
         "delivered": delivered / offered,
         "burst_p99": percentile([s.ttft * 1000 for s in burst], 99),
         "burst_cpu_ms": burst_cpu * 1000,
+        # Where a burst's wall time goes: its streams' starts and their own lengths.
+        "burst_p50": statistics.median(s.ttft for s in burst) * 1000,
+        "stream_p50": statistics.median(s.done_at - s.sent_at - s.ttft for s in burst) * 1000,
+        "stream_max": max(s.done_at - s.sent_at - s.ttft for s in burst) * 1000,
+        "queued_p50": statistics.median(s.queued for s in burst) * 1000,
+        "queued_p99": percentile([s.queued * 1000 for s in burst], 99),
+        "started_p50": statistics.median(s.started for s in burst) * 1000,
+        "started_p99": percentile([s.started * 1000 for s in burst], 99),
+        "model_ms": paced_total * 1000,
+        "wall_ms": wall * 1000,
         "mismatches": sum(not s.ok for s in serial + burst),
         "why": [s.why for s in serial + burst if not s.ok][:5],
     }

@@ -448,11 +448,20 @@ def test_dropped_database_connections_lose_nothing(
     def drop_connections() -> int:
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND application_name = %s",
                 [SERVER_APP_NAME],
             )
-            return int(cursor.fetchone()[0])
+            pids = [row[0] for row in cursor.fetchall()]
+
+        def gone() -> bool:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", [pids])
+                return int(cursor.fetchone()[0]) == 0
+
+        # Dropped means closed: the servers' ends have gone (pg_terminate_backend only asks).
+        wait_until(gone, what="the dropped connections to close")
+        return len(pids)
 
     assert drop_connections() >= 1
     time.sleep(2)  # the turn's checkpoints meet the dropped connection first

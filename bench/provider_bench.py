@@ -3,7 +3,8 @@
     .venv/bin/python bench/provider_bench.py [--streams 40] [--at-once 10] [--pace 0.002]
 
 `OpenAIProvider` (its own transport, `chatcore/engine/provider_net.py`) reads `--streams`
-answers of 250 events each from `tests.fakemodel.FakeModelServer` in its own process,
+answers of 250 events each from `tests.fakemodel.FakeModelServer` in its own process (the
+model of `compare_bench.py`),
 `--at-once` at a time; the model waits `--pace` seconds after each event (0: the whole answer
 at once). Printed: the loop thread's CPU time (`time.thread_time`) per event and per answer,
 so the figure holds up on a busy machine better than a wall time.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,35 +23,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TEXT = "abcd" * 250  # 250 events of 4 characters
+from bench.compare_bench import Model  # noqa: E402
 
 
-def serve_model(pace: float) -> None:
-    from tests.fakemodel import FakeModelServer, Reply
-
-    server = FakeModelServer()
-    reply = Reply(text=TEXT, chunk=4, delay=pace)
-    server.default = lambda request: reply
-    server.start()
-    print(server.url, flush=True)
-    try:
-        sys.stdin.read()
-    finally:
-        server.stop()
-
-
-async def measure(url: str, streams: int, at_once: int) -> tuple[float, int]:
+async def measure(model: Model, content: str, streams: int, at_once: int) -> tuple[float, int]:
     from chatcore.engine.provider import OpenAIProvider
     from chatcore.engine.provider_types import Completion
 
-    provider = OpenAIProvider(base_url=url, api_key="", model="m")
+    provider = OpenAIProvider(base_url=model.url, api_key="", model="m")
 
     async def one() -> int:
         events = 0
-        async for event in provider.stream(messages=[{"role": "user", "content": "hi"}]):
+        async for event in provider.stream(messages=[{"role": "user", "content": content}]):
             events += 1
             if isinstance(event, Completion):
-                assert event.text == TEXT, "the answer did not arrive whole"
+                assert event.text == model.text, "the answer did not arrive whole"
         return events
 
     await asyncio.gather(*(one() for _ in range(2)))  # warm up: imports, connections
@@ -70,20 +56,13 @@ def main(args: argparse.Namespace) -> None:
     import django
 
     django.setup()
-    model = subprocess.Popen(
-        [sys.executable, __file__, "--serve-model", "--pace", str(args.pace)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # compare_bench's model: 1,000 characters in 4-character events, paced when asked.
+    model = Model(argparse.Namespace(answer_chars=1000, chunk=4, pace=args.pace))
     try:
-        assert model.stdout is not None
-        url = model.stdout.readline().strip()
-        cpu, events = asyncio.run(measure(url, args.streams, args.at_once))
+        content = "paced" if args.pace else "fast"
+        cpu, events = asyncio.run(measure(model, content, args.streams, args.at_once))
     finally:
-        assert model.stdin is not None
-        model.stdin.close()
-        model.wait()
+        model.stop()
     answers = args.streams // args.at_once * args.at_once
     print(
         f"{answers} answers of 250 events, {args.at_once} at a time, model pace "
@@ -99,9 +78,4 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=40)
     parser.add_argument("--at-once", type=int, default=10)
     parser.add_argument("--pace", type=float, default=0.002, help="seconds after each event")
-    parser.add_argument("--serve-model", action="store_true", help=argparse.SUPPRESS)
-    ns = parser.parse_args()
-    if ns.serve_model:
-        serve_model(ns.pace)
-    else:
-        main(ns)
+    main(parser.parse_args())

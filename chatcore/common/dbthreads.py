@@ -21,11 +21,8 @@ import concurrent.futures
 import contextvars
 import functools
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
@@ -222,12 +219,14 @@ class Lane:
 
 class Batch(Generic[I, R]):
     """Items asked for while one of its trips is under way go together in the next trip
-    (at most `max_batch`): `run_many(items)` on a thread of its own (trips of a loop run one
-    after another, so one thread serves them), one result per item, in order; its error is
-    every item's. For work whose per-call cost dwarfs the per-item one (a round trip to a
-    cache server): a burst of calls costs a few trips, not one each. Its trips never wait
-    for a database thread, so a transaction on one may wait for an item (an admission for
-    its send-rate charge, `limits.PendingCharge`). State is per event loop."""
+    (at most `max_batch`): `run_many(items)` on a thread of its own, which takes the next
+    trip as soon as one is back, one result per item, in order; its error is every item's.
+    For work whose per-call cost dwarfs the per-item one (a round trip to a cache server): a
+    burst of calls costs a few trips, not one each. Its trips never wait for a database
+    thread, nor for the event loop: `start` hands back the trip thread's own future, so a
+    transaction on a database thread that waits for an item (an admission for its send-rate
+    charge, `limits.PendingCharge`) goes on the moment the trip is back, however busy the
+    loop is with the rest of a burst."""
 
     def __init__(
         self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256
@@ -235,57 +234,50 @@ class Batch(Generic[I, R]):
         self.name = name
         self.run_many = run_many
         self.max_batch = max_batch
-        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pending[I, R]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._thread: ThreadPoolExecutor | None = None
-
-    def _trip(self) -> Callable[[list[I]], Coroutine[Any, Any, list[R]]]:
-        if self._thread is None:
-            with _lock:
-                if self._thread is None:
-                    self._thread = ThreadPoolExecutor(
-                        max_workers=1, thread_name_prefix=f"chat-{self.name}"
-                    )
-        return sync_to_async(self._run_many, thread_sensitive=False, executor=self._thread)
-
-    def _run_many(self, items: list[I]) -> list[R]:
-        return self.run_many(items)
+        self._items: list[tuple[I, concurrent.futures.Future[R]]] = []
+        self._ready = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
 
     async def run(self, item: I) -> R:
         if getattr(AsyncToSync.executors, "current", None) is not None:
             return (await on_db(self.run_many)([item]))[0]  # a synchronous caller's thread
-        loop = asyncio.get_running_loop()
-        pending = self._loops.setdefault(loop, _Pending())
-        future: asyncio.Future[R] = loop.create_future()
-        pending.items.append((item, future))
-        if pending.drainer is None or pending.drainer.done():
-            pending.drainer = loop.create_task(self._drain(pending), name=f"batch:{self.name}")
-        return await future
+        return await asyncio.wrap_future(self.start(item))
 
-    async def _drain(self, pending: _Pending[I, R]) -> None:
-        while pending.items:
-            batch = pending.items[: self.max_batch]
-            del pending.items[: self.max_batch]
+    def start(self, item: I) -> concurrent.futures.Future[R]:
+        """The item on its way (in the trip under way's successor); its result or error is
+        set on the trip's thread."""
+        future: concurrent.futures.Future[R] = concurrent.futures.Future()
+        with self._ready:
+            self._items.append((item, future))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._trips, name=f"chat-{self.name}", daemon=True
+                )
+                self._thread.start()
+            self._ready.notify()
+        return future
+
+    def _trips(self) -> None:
+        while True:
+            with self._ready:
+                while not self._items:
+                    self._ready.wait()
+                batch = self._items[: self.max_batch]
+                del self._items[: self.max_batch]
+            # An item whose caller gave up still goes (a charge is counted all the same);
+            # only its result has nowhere to go.
+            wanted = [future.set_running_or_notify_cancel() for _item, future in batch]
             try:
-                results = await self._trip()([item for item, _f in batch])
-            except Exception as exc:
-                for _item, future in batch:
-                    _settle(future, False, exc)
+                results = self.run_many([item for item, _f in batch])
+            except BaseException as exc:  # every item's error; the thread takes the next trip
+                for (_item, future), waited in zip(batch, wanted, strict=True):
+                    if waited:
+                        future.set_exception(exc)
                 continue
-            except BaseException as exc:  # the trip itself ended (shutdown): tell everyone
-                for _item, future in batch + pending.items:
-                    _settle(future, False, exc)
-                pending.items.clear()
-                raise
-            for (_item, future), result in zip(batch, results, strict=True):
-                _settle(future, True, result)
-
-
-@dataclass
-class _Pending(Generic[I, R]):
-    items: list[tuple[I, asyncio.Future[R]]] = field(default_factory=list)
-    drainer: asyncio.Task[None] | None = None
+            for (_item, future), waited, result in zip(batch, wanted, results, strict=True):
+                if waited:
+                    future.set_result(result)
+            del batch, results
 
 
 def _run_each(calls: list[tuple[Callable[[], Any], contextvars.Context]]) -> list[tuple[bool, Any]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from chatcore.common.dbthreads import Batch
-from chatcore.common.errors import RateLimited, ShuttingDown
+from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
 from sessions_app.rows import cursor as sql_cursor
@@ -158,24 +159,34 @@ class PendingCharge:
     (`charge_beside`). The admitting transaction calls `wait()` on its database thread just
     before it commits: by then the charge is back (its round trip is shorter than the
     admission's statements), and a refusal raises there, so the transaction rolls back and
-    the send changes nothing, as if it had been refused first."""
+    the send changes nothing, as if it had been refused first. The count comes straight from
+    the cache server's trip thread (`Batch.start`): in a burst the event loop is busy taking
+    in the other sends, and an admission that waited for it to pass the count on would hold
+    its database thread meanwhile."""
 
-    def __init__(self, task: asyncio.Task[None]) -> None:
-        self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        task.add_done_callback(self._settle)
+    def __init__(
+        self,
+        count: concurrent.futures.Future[int],
+        key: str,
+        budget: str,
+        cfg: Mapping[str, Any] | None,
+        now: float,
+    ) -> None:
+        self._count = count
+        self._key, self._budget, self._cfg, self._now = key, budget, cfg, now
+        # Seen over its budget even if nothing waits for it (an admission that failed first):
+        # the next send against the counter is refused with no round trip.
+        count.add_done_callback(self._note)
 
-    def _settle(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            self._done.set_exception(ShuttingDown())
-        elif (exc := task.exception()) is not None:
-            self._done.set_exception(exc)
-        else:
-            self._done.set_result(None)
+    def _note(self, count: concurrent.futures.Future[int]) -> None:
+        if not count.cancelled() and count.exception() is None:
+            with contextlib.suppress(RateLimited):
+                _counted(self._key, count.result(), self._budget, self._cfg, self._now)
 
     def wait(self) -> None:
         """Blocks until the charge is back; raises its refusal or error. A database thread's
         call, from inside the admitting transaction."""
-        self._done.result()
+        _refuse_over(self._count.result(), self._budget, self._cfg, self._now)
 
 
 async def charge_beside(
@@ -192,11 +203,9 @@ async def charge_beside(
         await acharge(user_id, budget, cfg)
         return None
     now = time.time()
-    _known_over(_budget_key(user_id, budget, now), budget, cfg, now)
-    task = asyncio.get_running_loop().create_task(
-        acharge(user_id, budget, cfg), name=f"charge:{user_id}"
-    )
-    return PendingCharge(task)
+    key = _budget_key(user_id, budget, now)
+    _known_over(key, budget, cfg, now)
+    return PendingCharge(_COUNTS.start(key), key, budget, cfg, now)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
+from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import (
     Http404,
     HttpRequest,
@@ -32,7 +33,7 @@ from ninja.errors import AuthenticationError, HttpError, ValidationError
 from ninja.operation import Operation
 from ninja.parser import Parser
 
-from chatcore.common.errors import ChatError
+from chatcore.common.errors import ChatError, StorageUnavailable
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
 from .routes import router
@@ -234,6 +235,17 @@ def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
 @api.exception_handler(Http404)
 def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
     return _error(404, "not_found", _("Not found."))
+
+
+@api.exception_handler(OperationalError)
+@api.exception_handler(InterfaceError)
+def _database_unavailable(request: HttpRequest, exc: DatabaseError) -> HttpResponse:
+    # A4: the database is down or the call lost its connection again (a read runs once more
+    # on a fresh one, `on_db_idempotent`; writes retry, A4): a retryable 503, never a 500.
+    logger.warning(
+        "API request failed on the database: %s %s: %s", request.method, request.path, exc
+    )
+    return _chat_error(request, StorageUnavailable(retry_after=1))
 
 
 @api.exception_handler(Exception)

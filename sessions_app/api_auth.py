@@ -22,7 +22,7 @@ from ninja.errors import HttpError
 from ninja.security import APIKeyCookie, HttpBearer
 from ninja.utils import check_csrf
 
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db_idempotent
 
 from .auth import bearer_from_header, token_for_raw, user_for_token
 from .logins import Login, login_for_session, login_for_token
@@ -48,7 +48,7 @@ class BearerTokenAuth(HttpBearer):
         return self.authenticate(request, raw)
 
     async def authenticate(self, request: HttpRequest, token: str) -> User | None:
-        found = await on_db(token_for_raw)(token)
+        found = await on_db_idempotent(token_for_raw)(token)
         if found is None:
             return None
         request.chat_login = login_for_token(found.user, found.pk)  # type: ignore[attr-defined]

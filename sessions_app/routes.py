@@ -37,7 +37,7 @@ from django.utils.translation import gettext as _
 from ninja import Query, Router, Status
 
 from chatcore.common import events
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import NotFound, ShuttingDown
 from chatcore.common.ids import owner_chat_id
 from chatcore.engine import background, clientstate, limits, runtime
@@ -142,7 +142,7 @@ async def list_sessions(
         )
         return {"items": [clientstate.session_state(s, engine) for s in items], "count": count}
 
-    return await on_db(read)()
+    return await on_db_idempotent(read)()
 
 
 @router.post(
@@ -184,7 +184,9 @@ async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Stat
 async def get_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    return await on_db(lambda: clientstate.session_state(_owned(user, session_id), engine))()
+    return await on_db_idempotent(
+        lambda: clientstate.session_state(_owned(user, session_id), engine)
+    )()
 
 
 @router.patch(
@@ -214,7 +216,7 @@ async def rename_session(
 )
 async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     user = _user(request)
-    session = await on_db(_writable)(user, session_id)
+    session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
     await delete_dialog(engine=engine, session=session, by=user)
@@ -253,7 +255,7 @@ async def list_messages(
             "next_from_seq": messages[-1].seq + 1 if messages else from_seq,
         }
 
-    return await on_db(read)()
+    return await on_db_idempotent(read)()
 
 
 _STREAM_DOC = {
@@ -281,7 +283,7 @@ async def post_message(
     request: HttpRequest, session_id: str, payload: MessageIn
 ) -> Status[Any] | HttpResponseBase:
     user = _user(request)
-    session = await on_db(_writable)(user, session_id)
+    session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     inbound = build_inbound(
         user=user,
@@ -309,7 +311,7 @@ async def post_message(
 )
 async def stop_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
     user = _user(request)
-    session = await on_db(_writable)(user, session_id)
+    session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     result = await engine.stop(session)
     return {"stopped_running": result.stopped_running, "dropped": result.dropped}
@@ -350,7 +352,7 @@ async def _rerun(
     """A turn without a new user message: retry (C6) or continue a cut answer (E5); 202 with
     the ack, or the turn's frames as SSE."""
     user = _user(request)
-    session = await on_db(_writable)(user, session_id)
+    session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     client_msg_id = (payload.client_msg_id if payload else None) or ""
     begin = engine.continue_answer if continue_answer else engine.retry
@@ -372,7 +374,7 @@ async def _rerun(
 )
 async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
     user = _user(request)
-    session = await on_db(_writable)(user, session_id)
+    session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     if engine.closing:
         raise ShuttingDown()
@@ -401,7 +403,7 @@ async def get_turn(request: HttpRequest, turn_id: str) -> dict[str, Any]:
             raise NotFound(_("Turn not found."))
         return clientstate.turn_state(turn)
 
-    return await on_db(read)()
+    return await on_db_idempotent(read)()
 
 
 @router.api_operation(

@@ -28,7 +28,7 @@ from django.http import (
 from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.errors import NotFound
 from chatcore.engine import clientstate
 from chatcore.engine.engine import Ack, Engine
@@ -92,7 +92,7 @@ async def stream(
         ack = await start()
         joined = None
         if ack.turn_id is not None and ack.mode in ("steer", "inject"):
-            joined = await on_db(clientstate.active_turn)(session, engine)
+            joined = await on_db_idempotent(clientstate.active_turn)(session, engine)
     except BaseException:
         await _leave(conn, login)
         raise
@@ -221,7 +221,7 @@ async def _turn_frames(
                 return
             # Silence: also the moment to notice a terminal the layer failed to deliver. It
             # may only be in flight (stored before it is published), so wait a little more.
-            stored = await on_db(_stored_terminal)(session, turn_id)
+            stored = await on_db_idempotent(_stored_terminal)(session, turn_id)
             give_up = loop.time() + SSE_TERMINAL_GRACE_SECONDS
             yield None
             continue

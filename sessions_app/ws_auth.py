@@ -27,7 +27,7 @@ from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.http.request import split_domain_port, validate_host
 
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db_idempotent
 
 from .auth import bearer_from_header, token_for_raw
 from .logins import login_for_session, login_for_token
@@ -121,7 +121,7 @@ class ChatAuthMiddleware:
             return await self.inner(scope, receive, send)
         raw = bearer_from_header(_header(scope, b"authorization"))
         if raw is not None:
-            token = await on_db(token_for_raw)(raw)
+            token = await on_db_idempotent(token_for_raw)(raw)
             if token is None:
                 scope = dict(scope, user=AnonymousUser(), auth=None, login=None)
             else:

@@ -21,7 +21,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.contrib.auth.models import User
 
 from chatcore.common import publish
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
 from chatcore.engine.engine import Engine
@@ -97,7 +97,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
 
     async def _send_sessions(self, client_msg_id: str | None = None) -> None:
         assert self.user is not None
-        frame = await on_db(sessions_frame)(
+        frame = await on_db_idempotent(sessions_frame)(
             owner_id=self.user.pk,
             channel=CHANNEL,
             chat_id=self.chat_id,
@@ -137,7 +137,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             kwargs["before_seq"] = before_seq
         if limit is not None:
             kwargs["limit"] = limit
-        frame = await on_db(session_history_frame)(**kwargs)
+        frame = await on_db_idempotent(session_history_frame)(**kwargs)
         if before_seq is None:
             self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
             if self.conn is not None and self.current is not None and session.pk == self.current.pk:
@@ -272,7 +272,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             )
             return frame, True, remaining[0] if remaining else None
 
-        frame, gone, replacement = await on_db(read)()
+        frame, gone, replacement = await on_db_idempotent(read)()
         if replacement is not None:
             await self._move(replacement)
             return

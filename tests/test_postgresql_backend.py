@@ -1,10 +1,16 @@
 """Scaled mode's PostgreSQL backend (`chatcore/postgresql/base.py`): the pool lends a sound
 connection without a round trip, and still replaces one the server ended while it sat in the
-pool (G5)."""
+pool (G5); a request whose connection the server ends after the pool's check still answers
+(its reads run once more on a fresh connection), and one that cannot reach the database at
+all answers a retryable 503 (A4)."""
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import pytest
@@ -12,6 +18,7 @@ from django.db import connection, connections
 from psycopg import OperationalError
 
 from chatcore.postgresql.base import check_connection
+from sessions_app.auth import token_for_raw
 from tests.conftest import IN_CI
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
@@ -100,3 +107,131 @@ def test_a_failed_check_goes_to_the_pools_own_check(pool: Any) -> None:
             check_connection(conn)
     finally:
         pool.putconn(conn)
+
+
+# --- A connection lost under a request (A4) -------------------------------------------------
+
+
+_UNDER_TEST: ContextVar[bool] = ContextVar("under_test", default=False)
+
+
+@contextmanager
+def _under_test() -> Iterator[None]:
+    """Calls made from here on (and from the tasks started here) are the ones hit."""
+    token = _UNDER_TEST.set(True)
+    try:
+        yield
+    finally:
+        _UNDER_TEST.reset(token)
+
+
+def _called_from(fn: Callable[..., Any]) -> bool:
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is fn.__code__:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class _EndAfterCheck:
+    """The pool's check, then the server process of the connection it just passed ended (as a
+    restart or an idle timeout can do in that moment): the call's first query then finds its
+    connection gone. `hit(n)` says whether the n-th borrow (from 1) is hit; only borrows that
+    `counts()` (default: made under `_under_test`) count, not the engine's own work meanwhile."""
+
+    def __init__(
+        self, pool: Any, hit: Callable[[int], bool], counts: Callable[[], bool] | None = None
+    ) -> None:
+        self.pool, self.hit, self.counts = pool, hit, counts or _UNDER_TEST.get
+        self.inner = pool._check
+        self.borrows = self.ended = 0
+        self.busy = False
+
+    def __call__(self, conn: Any) -> None:
+        self.inner(conn)
+        if self.busy or not self.counts():
+            return
+        self.borrows += 1
+        if not self.hit(self.borrows):
+            return
+        self.busy = True  # `_end_backend` borrows a connection of its own
+        try:
+            _end_backend(conn.info.backend_pid)
+            self.ended += 1
+        finally:
+            self.busy = False
+
+
+@pytest.fixture
+def end_after_check(pool: Any) -> Any:
+    installed: list[_EndAfterCheck] = []
+
+    def install(
+        hit: Callable[[int], bool], counts: Callable[[], bool] | None = None
+    ) -> _EndAfterCheck:
+        hook = _EndAfterCheck(pool, hit, counts)
+        pool._check = hook
+        installed.append(hook)
+        return hook
+
+    yield install
+    if installed:
+        pool._check = installed[0].inner
+
+
+async def test_a_read_whose_connection_the_server_ends_under_it_still_answers(
+    api: Any, end_after_check: Any
+) -> None:
+    # covers: A4 (a failed read is tried again, on a fresh connection), E3
+    status, created = await api.post("/sessions", {"title": "kept"})
+    assert status == 201
+    status, sent = await api.post(f"/sessions/{created['session_id']}/messages", {"content": "hi"})
+    assert status in (200, 202)
+
+    # The token's read is the request's first call (borrow 1, its new try borrow 2); the
+    # dialog's read comes next (borrow 3, its new try 4).
+    hook = end_after_check(lambda n: n in (1, 3))
+    with _under_test():
+        status, page = await api.get(f"/sessions/{created['session_id']}/messages")
+
+    assert (hook.borrows, hook.ended) == (4, 2)
+    assert status == 200, page
+    assert [m["content"] for m in page["messages"] if m["role"] == "user"] == ["hi"]
+
+
+async def test_a_database_that_cannot_be_reached_answers_a_retryable_503(
+    api: Any, end_after_check: Any
+) -> None:
+    # covers: A4, E3 (errors are JSON `{code, message}`; never a 500 for a database outage)
+    status, created = await api.post("/sessions", {"title": "kept"})
+    assert status == 201
+
+    hook = end_after_check(lambda n: True)
+    with _under_test():
+        status, error, response = await api.call("GET", f"/sessions/{created['session_id']}")
+
+    assert hook.ended == 2  # the token's read, and its one more try
+    assert status == 503
+    assert error["code"] == "storage_error"
+    assert response["Retry-After"] == "1"
+
+
+async def test_a_socket_whose_token_read_loses_its_connection_still_opens(
+    engine: Any, user: Any, end_after_check: Any
+) -> None:
+    # covers: A4, E1 (the socket's first read is its token's)
+    from tests.ws_helpers import bearer, open_ws
+
+    headers = await bearer(user)
+    # The test client runs the socket's application in a context of its own: its token's
+    # read is told by the call it is made in.
+    hook = end_after_check(lambda n: n == 1, counts=lambda: _called_from(token_for_raw))
+    ws, connected = await open_ws(headers)
+    try:
+        assert connected
+        assert (await ws.next())["type"] == "sessions"
+        assert (await ws.next())["type"] == "session_history"
+        assert hook.ended == 1
+    finally:
+        await ws.close()

@@ -12,6 +12,8 @@ one costs more than most queries); on PostgreSQL it goes back to Django's connec
 (`OPTIONS["pool"]`, psycopg's pool) after each call, so the pool, not the thread count, is
 what bounds the server's connections. A connection left broken by an error is dropped either
 way, so the next call connects again (G5). A call never leaves a transaction open behind it.
+A call that may run twice (`on_db_idempotent`: a read, a last-used stamp) also outlives a
+connection the server ended under it: it runs once more on a fresh one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -27,12 +30,14 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
-from django.db import connections
+from django.db import InterfaceError, OperationalError, connections
 
 P = ParamSpec("P")
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741 (an item)
 R = TypeVar("R")
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _executor: DatabaseThreads | None = None
@@ -142,6 +147,37 @@ def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     return sync_to_async(  # type: ignore[call-overload]
         functools.partial(_call, fn), thread_sensitive=False, executor=executor()
     )
+
+
+def on_db_idempotent(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """`on_db` for a call that may run twice with the same effect (a read; a write that only
+    stamps a time): when the server ended its connection under it (a restart, an ended
+    backend, a pooled connection lost between the pool's check and the first query; A4), the
+    broken connection is dropped and the call runs once more on a fresh one, so the request
+    it serves does not fail for it. Any other error, a second loss, or a loss inside the
+    caller's own transaction (a synchronous caller) is raised as it is."""
+
+    @functools.wraps(fn)
+    def again_if_lost(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if not _connection_lost():
+                raise
+            logger.warning("a database connection was lost under a call; running it again: %s", exc)
+            release_connections()
+        return fn(*args, **kwargs)
+
+    return on_db(again_if_lost)
+
+
+def _connection_lost() -> bool:
+    """After an error: did it come from a connection that no longer works (and that no open
+    transaction of the caller's depends on)?"""
+    opened = connections.all(initialized_only=True)
+    if any(conn.in_atomic_block for conn in opened):
+        return False
+    return any(conn.connection is not None and not conn.is_usable() for conn in opened)
 
 
 def start_on_db(fn: Callable[[], T], *, first: bool = False) -> concurrent.futures.Future[T] | None:

@@ -103,6 +103,15 @@ class StorageError(ChatError):
     default_message = _("Saving failed; please try again.")
 
 
+class StorageUnavailable(ChatError):
+    """The database could not answer a request (down, restarting, every connection lost),
+    also after the one more try a lost connection gets (A4)."""
+
+    code = "storage_error"
+    http_status = 503
+    default_message = _("The database could not be reached; please try again.")
+
+
 class InternalError(ChatError):
     """An unexpected failure while handling one request; details go to the log only."""
 

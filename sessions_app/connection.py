@@ -23,7 +23,7 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from chatcore.common import publish
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.errors import ChatError, ShuttingDown
 from chatcore.engine import commands
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
@@ -178,7 +178,9 @@ class ChannelConnection:
         """B3: run one slash command on `target`; one that changes the dialog is refused on
         a dialog read-only for this user."""
         if commands.writes_dialog(text):
-            await on_db(selectors.dialog_check_writable)(user_id=self.user.pk, session=target)
+            await on_db_idempotent(selectors.dialog_check_writable)(
+                user_id=self.user.pk, session=target
+            )
         ctx = commands.CommandContext(
             owner=self.user,
             channel=self.channel,
@@ -204,4 +206,6 @@ class ChannelConnection:
         )
 
     async def _check_writable(self, target: Session) -> None:
-        await on_db(selectors.dialog_check_writable)(user_id=self.user.pk, session=target)
+        await on_db_idempotent(selectors.dialog_check_writable)(
+            user_id=self.user.pk, session=target
+        )

@@ -24,7 +24,7 @@ from django.utils import translation
 from django.utils.translation import gettext as _
 
 from chatcore.common import events
-from chatcore.common.dbthreads import on_db
+from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 from chatcore.engine import commands, runtime
@@ -114,7 +114,7 @@ class ChatConsumer(ChatEventsConsumer):
         with translation.override(self.language):
             # D3: join the fan-out before reading any state, so nothing falls in between.
             await self.conn.join_chat()
-            current = await on_db(self.conn.resolve_or_latest)(requested)
+            current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)
             await self.accept()
             await self.conn.follow(current)
             await self._send_sessions()
@@ -213,16 +213,16 @@ class ChatConsumer(ChatEventsConsumer):
         if raw is not None and raw_session is not None:
             raise BadRequest(_("Name a dialog by dialog_id or by session_id, not both."))
         if raw_session is not None:
-            target = await on_db(self._session_target)(raw_session)
+            target = await on_db_idempotent(self._session_target)(raw_session)
         elif raw is not None:
             dialog_id = validate_part(raw, field="dialog_id")
-            target = await on_db(selectors.dialog_get)(
+            target = await on_db_idempotent(selectors.dialog_get)(
                 owner_id=self.user.pk, channel=CHANNEL, chat_id=self.chat_id, dialog_id=dialog_id
             )
         else:
             if self.current_gone:
                 assert self.conn is not None
-                await self._move(await on_db(self.conn.resolve)())
+                await self._move(await on_db_idempotent(self.conn.resolve)())
             target = self.current
         assert target is not None
         return target

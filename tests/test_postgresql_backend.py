@@ -14,11 +14,14 @@ from contextvars import ContextVar
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connection, connections
 from psycopg import OperationalError
 
+from chatcore.engine.sessions import resolve_dialog
 from chatcore.postgresql.base import check_connection
 from sessions_app.auth import token_for_raw
+from sessions_app.models import Session
 from tests.conftest import IN_CI
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
@@ -217,21 +220,28 @@ async def test_a_database_that_cannot_be_reached_answers_a_retryable_503(
     assert response["Retry-After"] == "1"
 
 
-async def test_a_socket_whose_token_read_loses_its_connection_still_opens(
+async def test_a_socket_whose_reads_lose_their_connection_still_opens(
     engine: Any, user: Any, end_after_check: Any
 ) -> None:
-    # covers: A4, E1 (the socket's first read is its token's)
+    # covers: A4, B1, E1 (a socket's first reads: its token's, then its dialog's)
     from tests.ws_helpers import bearer, open_ws
 
     headers = await bearer(user)
-    # The test client runs the socket's application in a context of its own: its token's
-    # read is told by the call it is made in.
-    hook = end_after_check(lambda n: n == 1, counts=lambda: _called_from(token_for_raw))
+    # The test client runs the socket's application in a context of its own: the reads hit
+    # are told by the calls they are made in (borrow 1 the token's, 2 its new try; 3 the
+    # dialog's resolution, which creates the chat's first dialog, 4 its new try).
+    hook = end_after_check(
+        lambda n: n in (1, 3),
+        counts=lambda: _called_from(token_for_raw) or _called_from(resolve_dialog),
+    )
     ws, connected = await open_ws(headers)
     try:
         assert connected
-        assert (await ws.next())["type"] == "sessions"
+        sessions = await ws.next()
+        assert sessions["type"] == "sessions"
         assert (await ws.next())["type"] == "session_history"
-        assert hook.ended == 1
+        assert (hook.borrows, hook.ended) == (4, 2)
+        assert len(sessions["items"]) == 1
     finally:
         await ws.close()
+    assert await sync_to_async(Session.objects.filter(owner=user).count)() == 1

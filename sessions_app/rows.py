@@ -98,13 +98,16 @@ def cursor() -> CursorWrapper:
         return conn.cursor()
     from django.db.backends.postgresql.base import ServerBindingCursor
 
+    # This project's backend begins a transaction with its first statement, through its own
+    # cursor classes (`chatcore.postgresql.base`); Django's plain backend has none.
+    binding = getattr(conn, "server_binding_cursor", ServerBindingCursor)
     # Django's own cursor (time zone, debug wrapper, error wrapping), made by the server-binding
     # class: the connection's cursor class is swapped for this one call, on this thread's
     # connection, and put back.
     conn.ensure_connection()
     raw = conn.connection
     client = raw.cursor_factory
-    raw.cursor_factory = ServerBindingCursor
+    raw.cursor_factory = binding
     try:
         return conn.cursor()
     finally:

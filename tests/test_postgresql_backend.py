@@ -13,10 +13,12 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+import psycopg
 import pytest
 from asgiref.sync import sync_to_async
-from django.db import connection, connections
+from django.db import IntegrityError, connection, connections, transaction
 from psycopg import OperationalError
+from psycopg_pool import ConnectionPool
 
 from chatcore.engine.sessions import resolve_dialog
 from chatcore.postgresql.base import check_connection
@@ -245,3 +247,150 @@ async def test_a_socket_whose_reads_lose_their_connection_still_opens(
     finally:
         await ws.close()
     assert await sync_to_async(Session.objects.filter(owner=user).count)() == 1
+
+
+# --- A transaction begun by its first statement (G6) ----------------------------------------
+
+
+@pytest.fixture
+def table(pool: Any) -> Any:
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE begin_probe (id integer PRIMARY KEY, note text)")
+        cursor.execute("INSERT INTO begin_probe VALUES (1, 'first')")
+    yield "begin_probe"
+    connection.close()
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE begin_probe")
+
+
+def _ids() -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT id FROM begin_probe ORDER BY id")
+        return [row[0] for row in cursor.fetchall()]
+
+
+class _Exchanges:
+    """How many times the client got an answer from the server on `conn` after waiting for
+    it: its round trips (a pipeline's writes, which wait for nothing, do not count)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.count = conn, 0
+        self.real = conn.wait
+
+    def __enter__(self) -> _Exchanges:
+        def wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.real(self._counted(gen), *args, **kwargs)
+
+        self.conn.wait = wait
+        return self
+
+    def _counted(self, gen: Any) -> Any:
+        sent = None
+        try:
+            while True:
+                ready = gen.send(sent)
+                sent = yield ready
+                if sent & psycopg.waiting.Ready.R:  # the server's answer came in
+                    self.count += 1
+        except StopIteration as stop:
+            return stop.value
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.conn.wait
+
+
+def test_a_transaction_sends_its_begin_with_its_first_statement(table: str) -> None:
+    # covers: G6 (round trips: a transaction of one statement costs that statement and its
+    # COMMIT, not a BEGIN of its own as well)
+    connection.ensure_connection()
+    with _Exchanges(connection.connection) as exchanges:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+                assert cursor.fetchone() == ("first",)
+    assert exchanges.count == 2
+
+
+def test_the_first_statements_row_lock_is_held_until_the_commit(table: str) -> None:
+    # covers: G2, G6 (the first statement runs inside the transaction, not before it)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+        with connections["default"].pool.connection() as other:
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                other.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE NOWAIT")
+            other.rollback()
+    with connections["default"].pool.connection() as other:
+        assert other.execute(
+            "SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE NOWAIT"
+        ).fetchone() == (1,)
+
+
+def test_a_rolled_back_transaction_leaves_nothing_and_the_next_one_begins(table: str) -> None:
+    # covers: A4, G6
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO begin_probe VALUES (2, 'gone')")
+            raise RuntimeError("roll back")
+    # A first statement that fails: its transaction is rolled back, the connection works on.
+    with pytest.raises(IntegrityError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO begin_probe VALUES (1, 'duplicate')")
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO begin_probe VALUES (3, 'kept')")
+            cursor.execute("SELECT txid_current_if_assigned() IS NOT NULL")
+            assert cursor.fetchone() == (True,)  # inside a transaction, with its write
+    assert _ids() == [1, 3]
+
+
+def test_savepoints_and_many_rows_at_once_stay_inside_the_transaction(table: str) -> None:
+    # covers: G6
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.executemany("INSERT INTO begin_probe VALUES (%s, %s)", [(4, "a"), (5, "b")])
+            raise RuntimeError("roll back")
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO begin_probe VALUES (6, 'outer')")
+        with pytest.raises(RuntimeError):
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute("INSERT INTO begin_probe VALUES (7, 'inner')")
+                raise RuntimeError("roll back the savepoint")
+    assert _ids() == [1, 6]
+
+
+def test_autocommit_turned_off_by_hand_begins_again_after_each_commit(table: str) -> None:
+    # covers: G6
+    transaction.set_autocommit(False)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO begin_probe VALUES (8, 'committed')")
+        transaction.commit()
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO begin_probe VALUES (9, 'rolled back')")
+        transaction.rollback()
+    finally:
+        transaction.set_autocommit(True)
+    assert _ids() == [1, 8]
+
+
+def test_a_connection_closed_inside_a_transaction_goes_back_to_the_pool_with_none_pending(
+    table: str, pool: Any
+) -> None:
+    # covers: G5, G6 (the next borrower's statements are not caught in a stray transaction)
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            raw = connection.connection
+            connection.close()  # nothing ran: no BEGIN was sent
+            raise RuntimeError("leave")
+    ConnectionPool.check_connection(raw)  # the pool's own check, when it lends it again
+    assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    with connection.cursor() as cursor:
+        cursor.execute("INSERT INTO begin_probe VALUES (10, 'autocommitted')")
+    with connections["default"].pool.connection() as other:
+        assert other.execute("SELECT 1 FROM begin_probe WHERE id = 10").fetchone() == (1,)

@@ -138,7 +138,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         # check on its next borrow must not begin one.
         if self.connection is not None:
             setattr(self.connection, _BEGIN_PENDING, False)
-        super()._close()
+        super()._close()  # type: ignore[misc]
 
     def create_cursor(self, name: str | None = None) -> Any:
         if name and self.connection is not None:

@@ -20,7 +20,9 @@ round trip, which on a busy machine is milliseconds (every turn runs four or fiv
 transactions). A transaction that runs no statement sends nothing; commit and rollback go by
 the server's transaction status, as psycopg's always do. Statements that do not go through a
 cursor's `execute` (`executemany`, a named cursor's DECLARE, `copy`) send their BEGIN on its
-own first, as before.
+own first, as before. Django declares a named cursor (`QuerySet.iterator`) WITH HOLD when the
+driver is in autocommit, so here also inside a transaction: the same rows, kept a little
+longer at commit (nothing in this project iterates with one).
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ def merged() -> Iterator[None]:
     each. Elsewhere (SQLite has no writes in WITH) each runs at once. For writes that nothing
     inside reads back before the end: the sub-statements share one snapshot, and foreign keys
     are checked at commit (Django makes them deferrable), so a message may name a turn
-    inserted beside it. On an error inside, nothing held is run."""
+    inserted beside it. On an error inside, nothing held is run. Inside a transaction the
+    statement itself is held in turn, to go with the transaction's next statement or its
+    COMMIT: an error in it is raised there, inside the same transaction."""
     if connections[DEFAULT_DB_ALIAS].vendor != "postgresql" or _holding() is not None:
         yield
         return
@@ -67,8 +69,27 @@ def merged() -> Iterator[None]:
         heads = ", ".join(f"w{i} AS ({text})" for i, (text, _p) in enumerate(writes[:-1]))
         sql = f"WITH {heads} {sql}"
         params = [value for _text, values in writes for value in values]
+    conn = connections[DEFAULT_DB_ALIAS]
     with cursor() as c:
+        hold = getattr(conn, "hold_next_write", None)
+        if hold is not None:
+            # Inside a transaction it goes with the next statement or the COMMIT, in one
+            # round trip (`chatcore.postgresql.base`).
+            hold()
         c.execute(sql, params)
+
+
+@contextlib.contextmanager
+def pipelined() -> Iterator[None]:
+    """On PostgreSQL, the statements executed inside go to the server in one round trip at
+    the end of the block (read their results after it); elsewhere each runs at once."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    together = getattr(conn, "pipelined", None)
+    if together is None:
+        yield
+        return
+    with together():
+        yield
 
 
 def _holding() -> list[tuple[str, list[Any]]] | None:

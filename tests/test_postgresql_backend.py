@@ -7,6 +7,7 @@ all answers a retryable 503 (A4)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,11 +18,13 @@ import psycopg
 import pytest
 from asgiref.sync import sync_to_async
 from django.db import IntegrityError, connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
 from psycopg import OperationalError
 from psycopg_pool import ConnectionPool
 
 from chatcore.engine.sessions import resolve_dialog
 from chatcore.postgresql.base import check_connection
+from sessions_app import rows
 from sessions_app.auth import token_for_raw
 from sessions_app.models import Session
 from tests.conftest import IN_CI
@@ -394,3 +397,174 @@ def test_a_connection_closed_inside_a_transaction_goes_back_to_the_pool_with_non
         cursor.execute("INSERT INTO begin_probe VALUES (10, 'autocommitted')")
     with connections["default"].pool.connection() as other:
         assert other.execute("SELECT 1 FROM begin_probe WHERE id = 10").fetchone() == (1,)
+
+
+def _held_insert(cursor: Any, id_: int, note: str) -> None:
+    connection.hold_next_write()
+    cursor.execute("INSERT INTO begin_probe VALUES (%s, %s)", [id_, note])
+
+
+def test_a_held_write_goes_with_the_commit(table: str) -> None:
+    # covers: G6 (a turn's commit: the lock, then its writes with the COMMIT, two round trips)
+    connection.ensure_connection()
+    with CaptureQueriesContext(connection) as logged:
+        with _Exchanges(connection.connection) as exchanges:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+                    _held_insert(cursor, 11, "with the commit")
+    assert exchanges.count == 2
+    assert _ids() == [1, 11]
+    # Django saw the write when it was made (query logging, execute wrappers).
+    assert any("INSERT INTO begin_probe" in query["sql"] for query in logged.captured_queries)
+
+
+def test_a_held_write_goes_with_the_next_statement_which_sees_it(table: str) -> None:
+    # covers: G6
+    connection.ensure_connection()
+    with _Exchanges(connection.connection) as exchanges:
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+                _held_insert(cursor, 12, "held")
+                cursor.execute("SELECT note FROM begin_probe WHERE id = 12")
+                assert cursor.fetchone() == ("held",)
+    assert exchanges.count == 3  # BEGIN with the lock; the write with the read; COMMIT
+    assert _ids() == [1, 12]
+
+
+def test_a_held_write_that_fails_rolls_its_transaction_back(table: str) -> None:
+    # covers: A4, G6 (the error is raised inside the same atomic block; nothing commits)
+    with pytest.raises(IntegrityError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO begin_probe VALUES (13, 'not kept')")
+                _held_insert(cursor, 1, "a duplicate key")
+    assert _ids() == [1]
+    # ... and when the next statement carries it, that statement raises it.
+    with pytest.raises(IntegrityError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
+                _held_insert(cursor, 1, "a duplicate key")
+                cursor.execute("SELECT 1")
+    assert _ids() == [1]
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
+            _held_insert(cursor, 14, "the connection works on")
+    assert _ids() == [1, 14]
+
+
+def test_a_held_write_is_dropped_by_a_rollback_and_kept_by_a_savepoints(table: str) -> None:
+    # covers: G6
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
+                _held_insert(cursor, 15, "rolled back")
+            raise RuntimeError("roll back")
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
+            _held_insert(cursor, 16, "before the savepoint")
+        with pytest.raises(RuntimeError):
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    _held_insert(cursor, 17, "inside the savepoint")
+                raise RuntimeError("roll back the savepoint")
+        with connection.cursor() as cursor:
+            cursor.executemany("INSERT INTO begin_probe VALUES (%s, %s)", [(18, "many")])
+            _held_insert(cursor, 19, "last")
+    assert _ids() == [1, 16, 18, 19]
+
+
+def test_a_write_held_outside_a_transaction_runs_at_once(table: str) -> None:
+    # covers: A4 (autocommit: nothing would carry it)
+    with connection.cursor() as cursor:
+        _held_insert(cursor, 20, "autocommitted")
+    with connections["default"].pool.connection() as other:
+        assert other.execute("SELECT 1 FROM begin_probe WHERE id = 20").fetchone() == (1,)
+
+
+def test_statements_pipelined_together_cost_one_round_trip_and_run_in_order(
+    table: str, pool: Any
+) -> None:
+    # covers: C1, G6 (a count sent with a lock, in its round trip, runs once the lock is held:
+    # it sees what the lock's holder committed meanwhile)
+    connection.ensure_connection()
+    ours = connection.connection.info.backend_pid
+    locked, failures = threading.Event(), []
+
+    def hold_the_lock_until_we_wait() -> None:
+        try:
+            with pool.connection() as holder, holder.transaction():
+                holder.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
+                holder.execute("INSERT INTO begin_probe VALUES (21, 'committed while we wait')")
+                locked.set()
+                deadline = time.monotonic() + 10
+                while not holder.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock'",
+                    [ours],
+                ).fetchone():
+                    assert time.monotonic() < deadline, "our lock never waited"
+                    time.sleep(0.01)
+        except BaseException as exc:
+            failures.append(exc)
+            locked.set()
+
+    holder = threading.Thread(target=hold_the_lock_until_we_wait)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        with _Exchanges(connection.connection) as exchanges:
+            with transaction.atomic():
+                with connection.cursor() as locking, connection.cursor() as counting:
+                    with rows.pipelined():
+                        locking.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+                        counting.execute("SELECT count(*) FROM begin_probe")
+                    assert locking.fetchone() == ("first",)
+                    assert counting.fetchone() == (2,)
+    finally:
+        holder.join()
+    assert not failures
+    assert exchanges.count == 2
+
+
+def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
+    pool: Any, user: Any
+) -> None:
+    # covers: G6, C3, G2 (the rows locked with the counts read after the lock, one round trip;
+    # the turn, its user message and the lease written with the COMMIT, the second)
+    from django.conf import settings
+
+    from chatcore.engine import queue
+    from chatcore.engine.ingress import Inbound
+    from chatcore.engine.sessions import SessionStates
+    from sessions_app import services
+    from sessions_app.models import Turn, TurnStatus
+
+    session = services.session_create(owner=user, channel="web", chat_id=f"u{user.pk}")
+    inbound = Inbound(
+        owner=user, channel="web", chat_id=session.chat_id, content="hello", sender_id="s"
+    )
+    connection.ensure_connection()
+    with _Exchanges(connection.connection) as exchanges:
+        ack, started = queue.admit_and_start(
+            inbound, session, cfg=settings.CHAT, states=SessionStates(), start_as="worker"
+        )
+    assert exchanges.count == 2
+    assert started is not None and ack.position == 0
+    stored = Turn.objects.get(pk=ack.turn_id)
+    assert stored.status == TurnStatus.RUNNING
+    assert list(session.messages.filter(role="user").values_list("content", flat=True)) == ["hello"]
+    live = Session.objects.get(pk=session.pk)
+    assert (live.lease_owner, live.lease_epoch) == ("worker", started.lease.epoch)
+
+    # Its lease is given up only once nothing is queued or running: the lock and the
+    # conditional update in one round trip, then the COMMIT.
+    Turn.objects.filter(pk=stored.pk).update(status=TurnStatus.COMPLETED)
+    with _Exchanges(connection.connection) as exchanges:
+        assert queue.release_if_idle(started.lease)
+    assert exchanges.count == 2
+    assert Session.objects.get(pk=session.pk).lease_owner == ""

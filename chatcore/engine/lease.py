@@ -27,6 +27,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
+from sessions_app import rows
 from sessions_app.models import Session, StagedInput, Turn, TurnStatus
 from sessions_app.rows import cursor as sql_cursor
 
@@ -277,6 +278,7 @@ def release_if_idle(lease: Lease) -> bool:
     On PostgreSQL the row is locked first, in the same transaction: a statement's
     subqueries see the tables as of its start, so an UPDATE that waited for an admission
     holding the row would not see the turn that admission added; the next statement does.
+    Both go in one round trip (`rows.pipelined`).
     SQLite runs one write at a time, so there the statement alone is enough."""
     sql = (
         f'UPDATE "{_SESSIONS}" SET "lease_owner" = %s, "lease_expires_at" = NULL'  # noqa: S608
@@ -288,11 +290,15 @@ def release_if_idle(lease: Lease) -> bool:
     locks_rows = connection.features.has_select_for_update
     with transaction.atomic() if locks_rows else nullcontext(), sql_cursor() as cursor:
         if locks_rows:
-            cursor.execute(
-                f'SELECT 1 FROM "{_SESSIONS}" WHERE "id" = %s FOR UPDATE',  # noqa: S608
-                [lease.session_pk],
-            )
-        cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *params])
+            with sql_cursor() as locking, rows.pipelined():
+                # One round trip: the UPDATE runs once the lock is held, on its own snapshot.
+                locking.execute(
+                    f'SELECT 1 FROM "{_SESSIONS}" WHERE "id" = %s FOR UPDATE',  # noqa: S608
+                    [lease.session_pk],
+                )
+                cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *params])
+        else:
+            cursor.execute(sql, ["", lease.session_pk, lease.owner, lease.epoch, *params])
         released = cursor.rowcount == 1
     if released:
         lease.released = True

@@ -96,10 +96,12 @@ def lock_for_admission(
 
     SQLite's write transaction already serialises, so the row and its counts are one
     statement. On PostgreSQL the row lock comes first, in a statement of its own that also
-    locks the sender's row (`limits.lock_owner`, for F7's slot, in the same round trip): a
-    statement's subqueries see the tables as of its start, so counts read in the statement
-    that waited for the lock would miss what the transaction holding it committed (a turn
-    another send just started, C1); read after the lock, they see it.
+    locks the sender's row (`limits.lock_owner`, for F7's slot): a statement's subqueries see
+    the tables as of its start, so counts read in the statement that waited for the lock
+    would miss what the transaction holding it committed (a turn another send just started,
+    C1). The counts are the next statement, sent with the lock's in one round trip
+    (`rows.pipelined`): the server runs it once the lock is held, on a snapshot of its own,
+    so it sees that.
 
     `slot`: the dialog's channel and chat id and the send's received time, for a send that
     may start its turn: F7's counts for that turn are read in the same statement as the
@@ -134,16 +136,20 @@ def lock_for_admission(
     with rows.cursor() as cursor:
         if connection.features.has_select_for_update:
             # Both rows, the dialog's first (the order every claim takes them in).
-            cursor.execute(
-                f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u, {live}'  # noqa: S608
-                f' AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
-                [session_pk, owner_id],
-            )
-            found = cursor.fetchone()
-            if found is not None:
-                sql = f"SELECT {counts} FROM {live}"  # noqa: S608 (our own tables)
-                cursor.execute(sql, [*count_params, session_pk])
-                row = (*found, *cursor.fetchone())
+            with rows.cursor() as counting:
+                with rows.pipelined():
+                    cursor.execute(
+                        f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u,'  # noqa: S608
+                        f' {live} AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
+                        [session_pk, owner_id],
+                    )
+                    # In the same round trip, run once the lock is held (each statement its
+                    # own snapshot): no row when the dialog is gone.
+                    sql = f"SELECT {counts} FROM {live}"  # noqa: S608 (our own tables)
+                    counting.execute(sql, [*count_params, session_pk])
+                found = cursor.fetchone()
+                if found is not None:
+                    row = (*found, *counting.fetchone())
         else:
             cursor.execute(
                 f"SELECT {rows.columns(Session, 's')}, {counts} FROM {live}",  # noqa: S608
@@ -316,9 +322,9 @@ def admit_and_start(
 
     The started path is four statements on SQLite: the locked row with the queue counts and
     F7's slot counts, the turn inserted running, the user message, and one update of the
-    dialog's row (turn counter, lease, revision); on PostgreSQL three: the dialog's and the
-    owner's rows locked, then the counts, then the last three writes as one statement
-    (`rows.merged`).
+    dialog's row (turn counter, lease, revision); on PostgreSQL three in two round trips:
+    the dialog's and the owner's rows locked, then the counts, sent together; then the last
+    three writes as one statement (`rows.merged`), sent with the COMMIT.
 
     `before_commit`: run last inside the transaction (a send-rate charge under way,
     `limits.PendingCharge.wait`); raising rolls everything back."""

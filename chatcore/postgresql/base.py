@@ -23,21 +23,37 @@ cursor's `execute` (`executemany`, a named cursor's DECLARE, `copy`) send their 
 own first, as before. Django declares a named cursor (`QuerySet.iterator`) WITH HOLD when the
 driver is in autocommit, so here also inside a transaction: the same rows, kept a little
 longer at commit (nothing in this project iterates with one).
+
+A write that reads nothing back can be held, inside a transaction, to go with whatever the
+connection sends next (`hold_next_write`): the next statement, in one pipeline, or the
+COMMIT. `sessions_app.rows.merged` holds its statement so, which makes a turn's admission
+and its commit one round trip shorter. Django sees the statement when it is made (query
+logging, execute wrappers); an error in it is raised by the statement or the commit it went
+with, inside the same `atomic` block, which then rolls back as for any failed commit. A
+rollback or a closed connection drops what is held unsent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import select
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 from django.db.backends.postgresql import base
 from django.db.backends.postgresql.base import ServerBindingCursor
-from psycopg import OperationalError, pq
+from django.db.backends.utils import debug_transaction
+from psycopg import OperationalError, adapt, pq
 from psycopg_pool import ConnectionPool
 
 # Set on a driver connection while Django's transaction on it has run no statement yet.
 _BEGIN_PENDING = "_chat_begin_pending"
+# Set on a driver connection for its next statement, to be held (`hold_next_write`).
+_HOLD_NEXT = "_chat_hold_next"
+_LOGGED = "logged"  # its value when Django logs queries: the statement's text is kept
+# The writes held on a driver connection: (cursor class, query, params, execute's kwargs).
+_HELD = "_chat_held"
 
 
 def check_connection(conn: Any) -> None:
@@ -63,32 +79,86 @@ def _take_pending_begin(conn: psycopg.Connection[Any]) -> bool:
     return conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
 
 
-def _begin_alone(conn: psycopg.Connection[Any]) -> None:
-    if _take_pending_begin(conn):
+def _take_held(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    held: list[tuple[Any, ...]] = getattr(conn, _HELD, None) or []
+    if held:
+        setattr(conn, _HELD, None)
+    return held
+
+
+def _drop_held(conn: psycopg.Connection[Any] | None) -> None:
+    if conn is not None:
+        setattr(conn, _HOLD_NEXT, False)
+        setattr(conn, _HELD, None)
+
+
+def _send_first(conn: psycopg.Connection[Any], begin: bool, held: list[tuple[Any, ...]]) -> None:
+    """Queue, in the pipeline `conn` is in, what must go before the next statement."""
+    if begin:
+        conn.execute("BEGIN")
+    for cursor_class, query, params, kwargs in held:
+        cursor_class(conn).execute(query, params, **kwargs)
+
+
+def _send_pending_alone(conn: psycopg.Connection[Any]) -> None:
+    """Send a pending BEGIN and the held writes before a statement that cannot go with them
+    in a pipeline (`executemany`, `copy`, a named cursor's DECLARE)."""
+    begin, held = _take_pending_begin(conn), _take_held(conn)
+    if held:
+        with conn.pipeline():
+            _send_first(conn, begin, held)
+    elif begin:
         conn.execute("BEGIN")
 
 
+def _to_hold(conn: psycopg.Connection[Any]) -> bool:
+    """True for the statement `hold_next_write` named, inside a transaction already begun
+    on the server; anything else runs now."""
+    if not getattr(conn, _HOLD_NEXT, False):
+        return False
+    setattr(conn, _HOLD_NEXT, False)
+    return (
+        not getattr(conn, _BEGIN_PENDING, False)
+        and conn.pgconn.transaction_status == pq.TransactionStatus.INTRANS
+        and conn.pgconn.pipeline_status == pq.PipelineStatus.OFF
+    )
+
+
 class _BeginsTransactions:
-    """A cursor whose statement that opens a transaction sends its BEGIN with it."""
+    """A cursor whose statement that opens a transaction sends its BEGIN with it, and any
+    held writes before it, in one pipeline."""
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         conn = self.connection  # type: ignore[attr-defined]
-        if not _take_pending_begin(conn):
+        logged = getattr(conn, _HOLD_NEXT, False) == _LOGGED
+        if _to_hold(conn):
+            held = getattr(conn, _HELD, None)
+            if held is None:
+                held = []
+                setattr(conn, _HELD, held)
+            held.append((type(self), query, params, kwargs))
+            if logged:  # the statement's text, for Django's query log (`last_executed_query`)
+                text = self._query_cls(adapt.Transformer(self))  # type: ignore[attr-defined,arg-type]
+                text.convert(query, params)
+                self._query = text
+            return self
+        begin, held = _take_pending_begin(conn), _take_held(conn)
+        if not begin and not held:
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
         if conn.pgconn.pipeline_status != pq.PipelineStatus.OFF:
-            conn.execute("BEGIN")  # already in a pipeline: it goes with what follows
+            _send_first(conn, begin, held)  # already in a pipeline: they go with what follows
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
         with conn.pipeline():
-            conn.execute("BEGIN")
+            _send_first(conn, begin, held)
             super().execute(query, params, **kwargs)  # type: ignore[misc]
         return self
 
     def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> Any:
-        _begin_alone(self.connection)  # type: ignore[attr-defined]
+        _send_pending_alone(self.connection)  # type: ignore[attr-defined]
         return super().executemany(query, params_seq, **kwargs)  # type: ignore[misc]
 
     def copy(self, *args: Any, **kwargs: Any) -> Any:
-        _begin_alone(self.connection)  # type: ignore[attr-defined]
+        _send_pending_alone(self.connection)  # type: ignore[attr-defined]
         return super().copy(*args, **kwargs)  # type: ignore[misc]
 
 
@@ -121,11 +191,37 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 conn.autocommit = True
         setattr(conn, _BEGIN_PENDING, not autocommit)
 
+    def hold_next_write(self) -> None:
+        """Hold this connection's next statement, a write whose result nothing reads, to go
+        with the next one it sends (a statement or the COMMIT) in one pipeline. Only inside
+        a transaction that has begun; otherwise the statement runs at once."""
+        if self.connection is not None and self.in_atomic_block:
+            setattr(self.connection, _HOLD_NEXT, _LOGGED if self.queries_logged else True)
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[None]:
+        """The statements executed inside go to the server together, in one round trip at
+        the end of the block; their results are read after it. Each still runs on its own
+        snapshot, in order (a lock waited for by one is held when the next one runs)."""
+        self.ensure_connection()
+        with self.wrap_database_errors, self.connection.pipeline():
+            yield
+
     def _commit(self) -> None:
-        super()._commit()  # type: ignore[misc]
+        held = _take_held(self.connection) if self.connection is not None else []
+        if not held:
+            super()._commit()  # type: ignore[misc]
+        else:
+            # The held writes and the COMMIT in one pipeline: an error in a write aborts the
+            # COMMIT and is raised here (`atomic` then rolls back).
+            with debug_transaction(self, "COMMIT"), self.wrap_database_errors:
+                with self.connection.pipeline():
+                    _send_first(self.connection, False, held)
+                    self.connection.execute("COMMIT")
         self._rearm()
 
     def _rollback(self) -> None:
+        _drop_held(self.connection)
         super()._rollback()  # type: ignore[misc]
         self._rearm()
 
@@ -140,11 +236,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
         # check on its next borrow must not begin one.
         if self.connection is not None:
             setattr(self.connection, _BEGIN_PENDING, False)
+            _drop_held(self.connection)
         super()._close()  # type: ignore[misc]
 
     def create_cursor(self, name: str | None = None) -> Any:
         if name and self.connection is not None:
-            _begin_alone(self.connection)  # a named cursor's DECLARE
+            _send_pending_alone(self.connection)  # before a named cursor's DECLARE
         return super().create_cursor(name)
 
     @property

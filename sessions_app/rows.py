@@ -71,11 +71,11 @@ def merged() -> Iterator[None]:
         params = [value for _text, values in writes for value in values]
     conn = connections[DEFAULT_DB_ALIAS]
     with cursor() as c:
-        hold = getattr(conn, "hold_next_write", None)
+        hold = getattr(conn, "hold_write", None)
         if hold is not None:
             # Inside a transaction it goes with the next statement or the COMMIT, in one
             # round trip (`chatcore.postgresql.base`).
-            hold()
+            hold(c)
         c.execute(sql, params)
 
 

@@ -400,7 +400,7 @@ def test_a_connection_closed_inside_a_transaction_goes_back_to_the_pool_with_non
 
 
 def _held_insert(cursor: Any, id_: int, note: str) -> None:
-    connection.hold_next_write()
+    connection.hold_write(cursor)
     cursor.execute("INSERT INTO begin_probe VALUES (%s, %s)", [id_, note])
 
 

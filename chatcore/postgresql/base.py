@@ -25,12 +25,14 @@ driver is in autocommit, so here also inside a transaction: the same rows, kept 
 longer at commit (nothing in this project iterates with one).
 
 A write that reads nothing back can be held, inside a transaction, to go with whatever the
-connection sends next (`hold_next_write`): the next statement, in one pipeline, or the
-COMMIT. `sessions_app.rows.merged` holds its statement so, which makes a turn's admission
-and its commit one round trip shorter. Django sees the statement when it is made (query
-logging, execute wrappers); an error in it is raised by the statement or the commit it went
-with, inside the same `atomic` block, which then rolls back as for any failed commit. A
-rollback or a closed connection drops what is held unsent.
+connection sends next (`hold_write`, for one cursor's next statement): the next statement,
+in one pipeline, or the COMMIT. `sessions_app.rows.merged` holds its statement so, which
+makes a turn's admission and its commit one round trip shorter. Django sees the statement
+when it is made (query logging, execute wrappers); an error in it is raised by the statement
+or the commit it went with, inside the same `atomic` block, which then rolls back as for any
+failed commit. A rollback or a closed connection drops what is held unsent. Statements sent
+together on purpose (`pipelined`: a row lock and the statement that must run after it) cost
+one round trip.
 """
 
 from __future__ import annotations
@@ -49,9 +51,7 @@ from psycopg_pool import ConnectionPool
 
 # Set on a driver connection while Django's transaction on it has run no statement yet.
 _BEGIN_PENDING = "_chat_begin_pending"
-# Set on a driver connection for its next statement, to be held (`hold_next_write`).
-_HOLD_NEXT = "_chat_hold_next"
-_LOGGED = "logged"  # its value when Django logs queries: the statement's text is kept
+_LOGGED = "logged"  # a cursor's `_chat_hold` when Django logs queries: its text is kept
 # The writes held on a driver connection: (cursor class, query, params, execute's kwargs).
 _HELD = "_chat_held"
 
@@ -88,7 +88,6 @@ def _take_held(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
 
 def _drop_held(conn: psycopg.Connection[Any] | None) -> None:
     if conn is not None:
-        setattr(conn, _HOLD_NEXT, False)
         setattr(conn, _HELD, None)
 
 
@@ -112,11 +111,8 @@ def _send_pending_alone(conn: psycopg.Connection[Any]) -> None:
 
 
 def _to_hold(conn: psycopg.Connection[Any]) -> bool:
-    """True for the statement `hold_next_write` named, inside a transaction already begun
-    on the server; anything else runs now."""
-    if not getattr(conn, _HOLD_NEXT, False):
-        return False
-    setattr(conn, _HOLD_NEXT, False)
+    """True inside a transaction already begun on the server, outside a pipeline; a
+    statement to hold runs at once anywhere else."""
     return (
         not getattr(conn, _BEGIN_PENDING, False)
         and conn.pgconn.transaction_status == pq.TransactionStatus.INTRANS
@@ -128,20 +124,17 @@ class _BeginsTransactions:
     """A cursor whose statement that opens a transaction sends its BEGIN with it, and any
     held writes before it, in one pipeline."""
 
+    # Set for this cursor's next statement only (`DatabaseWrapper.hold_write`).
+    _chat_hold: bool | str = False
+
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         conn = self.connection  # type: ignore[attr-defined]
-        logged = getattr(conn, _HOLD_NEXT, False) == _LOGGED
-        if _to_hold(conn):
-            held = getattr(conn, _HELD, None)
-            if held is None:
-                held = []
-                setattr(conn, _HELD, held)
-            held.append((type(self), query, params, kwargs))
-            if logged:  # the statement's text, for Django's query log (`last_executed_query`)
-                text = self._query_cls(adapt.Transformer(self))  # type: ignore[attr-defined,arg-type]
-                text.convert(query, params)
-                self._query = text
-            return self
+        hold = self._chat_hold
+        if hold:
+            self._chat_hold = False
+            if _to_hold(conn):
+                self._hold(conn, query, params, kwargs, logged=hold == _LOGGED)
+                return self
         begin, held = _take_pending_begin(conn), _take_held(conn)
         if not begin and not held:
             return super().execute(query, params, **kwargs)  # type: ignore[misc]
@@ -152,6 +145,19 @@ class _BeginsTransactions:
             _send_first(conn, begin, held)
             super().execute(query, params, **kwargs)  # type: ignore[misc]
         return self
+
+    def _hold(
+        self, conn: psycopg.Connection[Any], query: Any, params: Any, kwargs: Any, *, logged: bool
+    ) -> None:
+        held = getattr(conn, _HELD, None)
+        if held is None:
+            held = []
+            setattr(conn, _HELD, held)
+        held.append((type(self), query, params, kwargs))
+        if logged:  # the statement's text, for Django's query log (`last_executed_query`)
+            text = self._query_cls(adapt.Transformer(self))  # type: ignore[attr-defined,arg-type]
+            text.convert(query, params)
+            self._query = text
 
     def executemany(self, query: Any, params_seq: Any, **kwargs: Any) -> Any:
         _send_pending_alone(self.connection)  # type: ignore[attr-defined]
@@ -191,12 +197,14 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 conn.autocommit = True
         setattr(conn, _BEGIN_PENDING, not autocommit)
 
-    def hold_next_write(self) -> None:
-        """Hold this connection's next statement, a write whose result nothing reads, to go
-        with the next one it sends (a statement or the COMMIT) in one pipeline. Only inside
-        a transaction that has begun; otherwise the statement runs at once."""
-        if self.connection is not None and self.in_atomic_block:
-            setattr(self.connection, _HOLD_NEXT, _LOGGED if self.queries_logged else True)
+    def hold_write(self, cursor: Any) -> None:
+        """Hold `cursor`'s next statement, a write whose result nothing reads, to go with
+        the next one this connection sends (a statement or the COMMIT) in one pipeline. Only
+        inside a transaction that has begun; otherwise the statement runs at once. `cursor`:
+        Django's cursor on this connection."""
+        raw = cursor.cursor
+        if isinstance(raw, _BeginsTransactions) and self.in_atomic_block:
+            raw._chat_hold = _LOGGED if self.queries_logged else True
 
     @contextlib.contextmanager
     def pipelined(self) -> Iterator[None]:

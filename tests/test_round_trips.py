@@ -531,3 +531,44 @@ def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() ->
     threads.shutdown()
     with pytest.raises(RuntimeError):
         threads.submit(order.append, "late")
+
+
+async def test_a_started_turns_user_message_reaches_the_socket_before_any_of_its_answer(
+    make_engine, fake_model, user, settings
+):
+    # covers: G6, C3, D1, D2 (the model request goes out first; the user message's delta is
+    # still sent once, before the turn's first snapshot, from a model that answers at once:
+    # a send to an idle dialog, then sends that follow each answer at once)
+    from chatcore.engine import runtime
+    from tests.ws_helpers import bearer, open_ws
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="ordered")
+    runtime.set_engine(engine)
+    try:
+        await make_dialog(user)
+        ws, connected = await open_ws(await bearer(user))
+        assert connected
+        assert (await ws.next())["type"] == "sessions"
+        assert (await ws.next())["type"] == "session_history"
+        for i in range(3):
+            fake_model.script(Reply(text=f"answer {i}", chunk=1))
+            await ws.send({"type": "send", "content": f"question {i}", "client_msg_id": f"q{i}"})
+            frames = await ws.until(lambda f: f["type"] == "turn_updated")
+            turn_id = frames[-1]["turn_id"]
+            mine = [f for f in frames if f.get("turn_id") in (turn_id, None)]
+            kinds = [f["type"] for f in mine]
+            assert kinds[0] == "queued" and kinds[1] == "history_delta", kinds
+            assert [m["content"] for m in mine[1]["messages"]] == [f"question {i}"]
+            assert kinds.index("turn_snapshot") == 2, kinds
+            text = ""
+            for snapshot in (f for f in mine if f["type"] == "turn_snapshot"):
+                assert snapshot["text_offset"] <= len(text)
+                text = text[: snapshot["text_offset"]] + snapshot["text"]
+            assert text == f"answer {i}"
+            assert kinds[-2:] == ["history_delta", "turn_updated"], kinds
+            assert kinds.count("history_delta") == 2, kinds
+            assert frames[-1]["status"] == "completed"
+        await ws.close()
+    finally:
+        runtime.set_engine(None)

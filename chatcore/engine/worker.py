@@ -167,18 +167,14 @@ class Workers:
     async def start_claimed(self, started: queue.Started) -> None:
         """Run a turn `queue.admit_and_start` claimed under a lease it took (G6): the model
         request goes out next; the user message's `history_delta` is published by a task of
-        its own, never awaited here."""
+        its own once that request is on its way (`_run_turn`), never awaited here."""
         session_pk = started.session.pk
         self._wakeups[session_pk] = asyncio.Event()
         self._leases[session_pk] = started.lease
         try:
-            # The worker first: its context read is under way while the delta goes out (it
-            # reaches the clients before any snapshot, which waits for that read).
             self.tasks[session_pk] = self.supervisor.spawn(
                 f"worker:{session_pk}", self._worker(session_pk, first=started)
             )
-            if started.appended is not None:
-                self._announce(started.appended, started.turn)
         except ShuttingDown:
             # The turn stays marked running; the next holder of the lease closes it (C11).
             self._leases.pop(session_pk, None)
@@ -198,8 +194,9 @@ class Workers:
     async def hand_off(self, started: queue.Started) -> None:
         """Give a turn started under a lingering worker's lease to that worker, which runs it
         next (G6: no claim of its own); the user message's delta goes out as in
-        `start_claimed`. Should the worker have ended meanwhile (its lease lost, shutdown),
-        the turn is left to the next holder of the lease, which closes it (C11)."""
+        `start_claimed`, from the worker. Should the worker have ended meanwhile (its lease
+        lost, shutdown), the turn is left to the next holder of the lease, which closes it
+        (C11), and the delta goes out from here."""
         session_pk = started.session.pk
         if not self.running(session_pk):
             if started.appended is not None:
@@ -211,13 +208,26 @@ class Workers:
             await self.kick(session_pk)
             return
         self._handed[session_pk] = started
-        # The worker wakes first, as in `start_claimed`.
         self._wakeups[session_pk].set()
-        if started.appended is not None:
-            self._announce(started.appended, started.turn)
 
     def _announce(self, appended: services.Appended, turn: Turn) -> None:
         self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
+
+    def _announcer(self, started: queue.Started) -> Callable[[], None]:
+        """Publish the `history_delta` of what `started` appended (its user message), once:
+        a task of its own, or at once when the process is shutting down."""
+        pending = [started.appended] if started.appended is not None else []
+
+        def announce() -> None:
+            if not pending:
+                return
+            appended = pending.pop()
+            try:
+                self._announce(appended, started.turn)
+            except ShuttingDown:
+                services.announce_appended(appended, started.turn)
+
+        return announce
 
     async def _worker(self, session_pk: str, first: queue.Started | None = None) -> None:
         wake = self._wakeups[session_pk]
@@ -257,11 +267,6 @@ class Workers:
                 )
                 if isinstance(turn, queue.Started):
                     self._between.discard(session_pk)
-                    if turn.appended is not None:
-                        try:
-                            self._announce(turn.appended, turn.turn)
-                        except ShuttingDown:
-                            services.announce_appended(turn.appended, turn.turn)
                     await self._run_turn(turn)
                     self._wake_waiting(turn.turn)
                     continue
@@ -298,7 +303,10 @@ class Workers:
         finally:
             self.tasks.pop(session_pk, None)
             self._between.discard(session_pk)
-            self._handed.pop(session_pk, None)
+            unrun = self._handed.pop(session_pk, None)
+            if unrun is not None:
+                # Left to the next holder of the lease (C11); its message is stored.
+                self._announcer(unrun)()
             self._found_empty.discard(session_pk)
             self._party_idle.discard(session_pk)
             self._wakeups.pop(session_pk, None)
@@ -394,8 +402,13 @@ class Workers:
 
     async def _run_turn(self, started: queue.Started) -> None:
         """Run a turn claimed under `started.lease` with its user message recorded in the
-        claiming transaction (G6), on the dialog's row as that transaction locked it."""
+        claiming transaction (G6), on the dialog's row as that transaction locked it. That
+        message's `history_delta` goes out as the turn starts: when its input was built
+        beside the admission, once the model request is on its way (G6: the request first;
+        the delta still reaches the clients before any snapshot of the turn, which waits for
+        the model's answer), else before the input is built."""
         turn, held = started.turn, started.lease
+        announce = self._announcer(started)
         session = started.session
         turn_id = str(turn.pk)
         log = {"session_id": session.session_id, "turn_id": turn_id}
@@ -406,6 +419,7 @@ class Workers:
         try:
             sink = sink_for_channel(session.channel)
             if sink is not None:
+                announce()  # the platform's message is made first: the delta does not wait
                 # D4: an external platform's streaming message for this turn.
                 target = {
                     "chat_id": session.chat_id,
@@ -421,12 +435,16 @@ class Workers:
             )
             continues, lead = queue.continuation(turn)
             try:
-                # G6: a send's input may be under way since its admission committed.
-                prepared = (
-                    None
-                    if started.prepared is None
-                    else await asyncio.wrap_future(started.prepared)
-                )
+                # G6: a send's input may be under way since its admission committed, and is
+                # often built by now (taken as it is: no hop through the loop for it).
+                building = started.prepared
+                prepared = building.result() if building is not None and building.done() else None
+                if prepared is None:
+                    # Still to build, which may take a while in a long dialog: the user's
+                    # message enters the clients' history first.
+                    announce()
+                    if building is not None and not building.done():
+                        prepared = await asyncio.wrap_future(building)
                 if prepared is None:
                     prepared = await self.builder.prepare(
                         session_pk=session.pk,
@@ -438,6 +456,7 @@ class Workers:
                     )
             except Exception:
                 logger.exception("context preparation failed", extra=log)
+                announce()
                 failed = Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed")
                 await self._finish(turn, session, failed, generation, local=local)
                 return
@@ -462,11 +481,12 @@ class Workers:
                 continues=continues,
                 lead=lead,
             )
-            outcome = await self._run_cancellable(local, runner, prepared)
+            outcome = await self._run_cancellable(local, runner, prepared, announce=announce)
             if runner.recovered:
                 self._schedule_compaction(session.pk)
             await self._finish(turn, session, outcome, generation, local=local)
         finally:
+            announce()  # a turn that ended before its request: the message is stored
             self.local.pop(turn_id, None)
 
     def _schedule_compaction(self, session_pk: str) -> None:
@@ -489,10 +509,20 @@ class Workers:
             pass
 
     async def _run_cancellable(
-        self, local: LocalTurn, runner: TurnRunner, prepared: Any
+        self,
+        local: LocalTurn,
+        runner: TurnRunner,
+        prepared: Any,
+        *,
+        announce: Callable[[], None] | None = None,
     ) -> TurnOutcome:
         loop = asyncio.get_running_loop()
         run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
+        if announce is not None:
+            # After the runner's first step, which sends the model request and waits for its
+            # answer: the delta's publish runs while the model works, before its first token
+            # can be read.
+            loop.call_soon(announce)
         cancel_wait = loop.create_task(local.cancel.wait())
         publisher = loop.create_task(
             snapshots.publish_snapshots(

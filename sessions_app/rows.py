@@ -53,7 +53,8 @@ def merged() -> Iterator[None]:
     inserted beside it. On an error inside, nothing held is run. Inside a transaction the
     statement itself is held in turn, to go with the transaction's next statement or its
     COMMIT: an error in it is raised there, inside the same transaction."""
-    if connections[DEFAULT_DB_ALIAS].vendor != "postgresql" or _holding() is not None:
+    conn = connections[DEFAULT_DB_ALIAS]
+    if conn.vendor != "postgresql" or _holding() is not None:
         yield
         return
     _held.writes = []
@@ -69,7 +70,6 @@ def merged() -> Iterator[None]:
         heads = ", ".join(f"w{i} AS ({text})" for i, (text, _p) in enumerate(writes[:-1]))
         sql = f"WITH {heads} {sql}"
         params = [value for _text, values in writes for value in values]
-    conn = connections[DEFAULT_DB_ALIAS]
     with cursor() as c:
         hold = getattr(conn, "hold_write", None)
         if hold is not None:

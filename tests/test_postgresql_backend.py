@@ -404,6 +404,12 @@ def _held_insert(cursor: Any, id_: int, note: str) -> None:
     cursor.execute("INSERT INTO begin_probe VALUES (%s, %s)", [id_, note])
 
 
+def _locked_then_held(cursor: Any, id_: int, note: str) -> None:
+    """A transaction's first statement (its row lock), then a held write: as a turn's commit."""
+    cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
+    _held_insert(cursor, id_, note)
+
+
 def test_a_held_write_goes_with_the_commit(table: str) -> None:
     # covers: G6 (a turn's commit: the lock, then its writes with the COMMIT, two round trips)
     connection.ensure_connection()
@@ -411,8 +417,7 @@ def test_a_held_write_goes_with_the_commit(table: str) -> None:
         with _Exchanges(connection.connection) as exchanges:
             with transaction.atomic():
                 with connection.cursor() as cursor:
-                    cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
-                    _held_insert(cursor, 11, "with the commit")
+                    _locked_then_held(cursor, 11, "with the commit")
     assert exchanges.count == 2
     assert _ids() == [1, 11]
     # Django saw the write when it was made (query logging, execute wrappers).
@@ -425,8 +430,7 @@ def test_a_held_write_goes_with_the_next_statement_which_sees_it(table: str) -> 
     with _Exchanges(connection.connection) as exchanges:
         with transaction.atomic():
             with connection.cursor() as cursor:
-                cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
-                _held_insert(cursor, 12, "held")
+                _locked_then_held(cursor, 12, "held")
                 cursor.execute("SELECT note FROM begin_probe WHERE id = 12")
                 assert cursor.fetchone() == ("held",)
     assert exchanges.count == 3  # BEGIN with the lock; the write with the read; COMMIT
@@ -445,29 +449,25 @@ def test_a_held_write_that_fails_rolls_its_transaction_back(table: str) -> None:
     with pytest.raises(IntegrityError):
         with transaction.atomic():
             with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
-                _held_insert(cursor, 1, "a duplicate key")
+                _locked_then_held(cursor, 1, "a duplicate key")
                 cursor.execute("SELECT 1")
     assert _ids() == [1]
     with transaction.atomic():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
-            _held_insert(cursor, 14, "the connection works on")
+            _locked_then_held(cursor, 14, "the connection works on")
     assert _ids() == [1, 14]
 
 
-def test_a_held_write_is_dropped_by_a_rollback_and_kept_by_a_savepoints(table: str) -> None:
+def test_a_held_write_is_dropped_by_a_rollback_and_kept_by_savepoints(table: str) -> None:
     # covers: G6
     with pytest.raises(RuntimeError):
         with transaction.atomic():
             with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
-                _held_insert(cursor, 15, "rolled back")
+                _locked_then_held(cursor, 15, "rolled back")
             raise RuntimeError("roll back")
     with transaction.atomic():
         with connection.cursor() as cursor:
-            cursor.execute("SELECT 1 FROM begin_probe WHERE id = 1 FOR UPDATE")
-            _held_insert(cursor, 16, "before the savepoint")
+            _locked_then_held(cursor, 16, "before the savepoint")
         with pytest.raises(RuntimeError):
             with transaction.atomic():
                 with connection.cursor() as cursor:

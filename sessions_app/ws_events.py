@@ -12,7 +12,6 @@ and the client's frames.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.contrib.auth.models import User
 
-from chatcore.common import publish
+from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
@@ -91,9 +90,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     async def _send(self, frame: dict[str, Any]) -> None:
         if self.login_over:
             return
-        await self.send(
-            text_data=json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
-        )
+        await self.send(text_data=events.frame_text(frame))
 
     async def _send_sessions(self, client_msg_id: str | None = None) -> None:
         assert self.user is not None

@@ -172,6 +172,53 @@ async def test_an_answer_in_odd_pieces_arrives_whole(serve, newline: bytes) -> N
     await provider.aclose()
 
 
+def raw_answer(events: list[bytes]) -> Respond:
+    """A responder: these event payloads as they are, then `[DONE]`."""
+
+    async def respond(writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        data = b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        writer.write(head(len(data)) + data)
+        await writer.drain()
+        return True
+
+    return respond
+
+
+async def test_events_only_the_json_module_reads_still_stream_whole(serve) -> None:
+    # covers: E5 (events are parsed in C; what that parser refuses and Python's json module
+    # reads, as servers write it, is read as before: NaN in a field the client does not use,
+    # an integer past 64 bits, a surrogate pair written as escapes)
+    def delta(content: str, extra: str = "") -> bytes:
+        text = json.dumps(content)  # non-ASCII as \u escapes
+        return (
+            f'{{{extra}"choices":[{{"index":0,"delta":{{"content":{text}}},'
+            '"finish_reason":null}]}'
+        ).encode()
+
+    events = [
+        delta("caf\u00e9 "),
+        delta("\U0001f600 ", extra='"logprobs":NaN,'),
+        delta("fine", extra=f'"created":{2**70},'),
+        b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    ]
+    assert b"\\ud83d\\ude00" in events[1]
+    _server, url = await serve(raw_answer(events))
+    provider = provider_for(url)
+    deltas, done = await collect(provider)
+    assert "".join(deltas) == done.text == "caf\u00e9 \U0001f600 fine"
+    assert done.finish_reason == "stop"
+    await provider.aclose()
+
+
+@pytest.mark.parametrize("event", [b'{"choices": [', b"not json", b"[1, 2]", b"\xff\xfe{}"])
+async def test_an_event_that_is_no_json_object_fails_the_answer_clearly(serve, event) -> None:
+    # covers: E5, C10 (malformed data from the model server is never text)
+    _server, url = await serve(raw_answer([event]))
+    provider = provider_for(url)
+    assert await failure_of(provider) == "bad_response"
+    await provider.aclose()
+
+
 async def test_a_connection_the_server_closed_is_not_reused(serve) -> None:
     # covers: E5, G5 (an idle kept-alive connection that the server ended is replaced)
     server, url = await serve(answer(["one"], keep=False))

@@ -4,14 +4,20 @@ is a task of the engine's supervisor (F1, STYLE 4)."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
+import uuid
 from types import SimpleNamespace
 
 import pytest
 from django.utils import timezone
+from django.utils.translation import gettext_lazy
 
 from chatcore.common import events, publish
 from chatcore.common.errors import RateLimited
+from chatcore.engine.turns.outcome import FailureKind
+from sessions_app.models import MessageKind, Role
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -32,6 +38,10 @@ def _message(**kw: object) -> SimpleNamespace:
     )
     base.update(kw)
     return SimpleNamespace(**base)
+
+
+def _json_text(frame: object) -> str:
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def test_every_frame_shape_survives_a_json_round_trip() -> None:
@@ -71,11 +81,45 @@ def test_every_frame_shape_survives_a_json_round_trip() -> None:
     ]
     for frame in frames:
         assert json.loads(json.dumps(frame)) == frame
+        # What a socket is sent: the same text the json module writes, compact.
+        assert events.frame_text(frame) == _json_text(frame)
     # Sender ids stay private (A1); the rest of the source is shown.
     shown = frames[0]["messages"][0]
     assert "from_user_id" not in shown["source"] and shown["source"]["reply_to"] == "c-1"
     assert frames[-1]["retry_after"] == 1.2 and frames[-1]["code"] == "rate_limited"
     assert frames[6]["client_msg_id"] is None and frames[8]["queue"][0]["preview"] == "x" * 80
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        # Non-ASCII text as it is, escapes only where JSON needs them (D1: every character).
+        {
+            "type": "turn_snapshot",
+            "text": 'caf\u00e9 \U0001f600 \u4e2d\u6587 "q" \\ \n\t\u2028\x00',
+        },
+        # What json's `default=str` wrote: datetimes, dates, times, UUIDs, decimals, enums,
+        # dataclasses, lazy translations.
+        {"at": datetime.datetime(2026, 12, 4, 15, 30, 1, 5, tzinfo=datetime.UTC)},
+        {"day": datetime.date(2026, 12, 4), "time": datetime.time(15, 30)},
+        {"id": uuid.UUID(int=7), "amount": decimal.Decimal("1.50"), "kind": FailureKind.TIMEOUT},
+        {"point": SimpleNamespace(x=1), "text": gettext_lazy("Stop")},
+        {"source": MessageKind.WELCOME, "role": Role.ASSISTANT},
+        # What orjson refuses and the json module writes.
+        {1: "a key that is no string", "n": 2**70, "lone": "\ud83d"},
+        # Nesting, empties, literals.
+        {"n": 12, "f": 1.2, "t": True, "none": None, "l": [[], {}, (1, 2)]},
+    ],
+)
+def test_a_frame_s_text_is_the_json_module_s_compact_text(frame: dict) -> None:
+    # covers: D1-D3, STYLE 4 (frames are encoded in C; clients read the same text as before)
+    assert events.frame_text(frame) == _json_text(frame)
+
+
+def test_a_frame_s_numbers_read_back_as_the_same_values() -> None:
+    # covers: D1-D3 (a float's exponent may be written without its padding zero: 1.5e-7)
+    frame = {"f": 0.1, "g": -1.5e-7, "big": 1e300, "i": -(2**63), "third": 1 / 3}
+    assert json.loads(events.frame_text(frame)) == frame == json.loads(_json_text(frame))
 
 
 async def test_a_sync_publish_on_the_engine_loop_is_a_supervised_task(make_engine, recorder):

@@ -7,8 +7,11 @@ nothing here touches the database or the channel layer.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
+
+import orjson
 
 
 def message_frame(message: Any) -> dict[str, Any]:
@@ -238,3 +241,22 @@ def error_frame_of(exc: Any, client_msg_id: str | None = None) -> dict[str, Any]
 def login_ended_frame(message: str) -> dict[str, Any]:
     """F8: the last frame of a Server-Sent Events stream whose login ended."""
     return {"type": "error", "code": "unauthorized", "message": message}
+
+
+# Datetimes and dataclasses go to `default` (`str`), as the json module's `default=str` has them;
+# orjson would write its own forms of them.
+_FRAME_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+def frame_text(frame: dict[str, Any]) -> str:
+    """The JSON text of a frame as a socket sends it: compact, non-ASCII as it is, anything
+    else through `str`. Encoded in C (every snapshot of every stream passes here); what orjson
+    refuses and the json module writes (keys that are not strings, integers past 64 bits,
+    strings holding lone surrogates) is written by the json module, as before. Two forms
+    differ: a float's exponent has no padding zero (`1.5e-7`, the same number), and a plain
+    `Enum` would be written as its value, not as its name (frames hold none: their enums are
+    `StrEnum`s and choices, which both modules write as their value)."""
+    try:
+        return orjson.dumps(frame, default=str, option=_FRAME_OPTIONS).decode()
+    except TypeError:
+        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)

@@ -161,6 +161,25 @@ async def test_the_model_client_uses_its_own_connections_and_keeps_them_alive(se
     await provider.aclose()
 
 
+def test_the_model_client_streams_on_uvloop_too() -> None:
+    # covers: E5 (the ASGI app served by a server that runs uvloop, as uvicorn does: its
+    # transports are no subclasses of asyncio's, and the client only uses their methods)
+    import uvloop
+
+    async def main() -> None:
+        server = Server(answer(["Hel", "lo ", "there"]))
+        url = await server.start()
+        provider = provider_for(url)
+        for _ in range(2):
+            deltas, done = await collect(provider)
+            assert "".join(deltas) == done.text == "Hello there"
+        assert server.connections == 1
+        await provider.aclose()
+        await server.stop()
+
+    uvloop.run(main())
+
+
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
 async def test_an_answer_in_odd_pieces_arrives_whole(serve, newline: bytes) -> None:
     # covers: E5 (lines split across reads, a character split across reads, any line ending)

@@ -1,14 +1,17 @@
 """`/ws/chat/` on a real Daphne server (`manage.py serve` as a subprocess, embedded mode, its
 own SQLite file) with a real WebSocket client library and the fake model server: the frames
-of one send in order, the frame limit answered by the consumer (not dropped by Daphne), and
-4401 for an unauthenticated handshake (PROTOCOL "WebSocket: /ws/chat/"; SPEC D1, D2, F2,
-F3)."""
+of one send in order, the frame limit answered by the consumer (not dropped by Daphne), 4401
+for an unauthenticated handshake, and a SIGTERM that ends a running turn as interrupted
+(PROTOCOL "WebSocket: /ws/chat/"; SPEC D1, D2, F1, F2, F3, C11)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
+import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -28,10 +31,11 @@ pytestmark = [pytest.mark.slow]
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[str], port: int, token: str) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int, token: str, db: Path) -> None:
         self.proc = proc
         self.port = port
         self.token = token
+        self.db = db
         self.output: list[str] = []
 
     @property
@@ -50,7 +54,7 @@ def daphne(tmp_path: Path, fake_model: FakeModelServer) -> Iterator[Server]:
     proc = popen_manage(
         "serve", "--port", str(port), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    server = Server(proc, port, token)
+    server = Server(proc, port, token, tmp_path / "chat.sqlite3")
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
@@ -133,3 +137,33 @@ async def test_unauthenticated_gets_4401_over_real_daphne(daphne: Server) -> Non
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 10)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 4401
+
+
+async def test_sigterm_ends_a_running_turn_as_interrupted_and_the_server_exits(
+    daphne: Server, fake_model: FakeModelServer
+) -> None:
+    # covers: F1, C11 (a graceful shutdown on the serving loop: the running turn's partial
+    # answer is kept, marked interrupted, and the process ends by itself)
+    answer = "a long answer, slowly " * 40
+    fake_model.script(Reply(text=answer, chunk=4, delay=0.05))
+    headers = {"Authorization": f"Bearer {daphne.token}"}
+    async with connect(daphne.url, additional_headers=headers) as ws:
+        await next_frame(ws)
+        await next_frame(ws)
+        await ws.send(json.dumps({"type": "send", "content": "hello"}))
+        while (await next_frame(ws))["type"] != "turn_snapshot":
+            pass
+        daphne.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                await next_frame(ws)
+    assert await asyncio.to_thread(daphne.proc.wait, 30) == 0, "".join(daphne.output)
+    with contextlib.closing(sqlite3.connect(daphne.db)) as db:
+        turns = db.execute("SELECT status, error_kind FROM sessions_app_turn").fetchall()
+        answers = db.execute(
+            "SELECT content, status FROM sessions_app_message WHERE role = 'assistant'"
+        ).fetchall()
+    assert turns == [("failed", "interrupted")]
+    assert len(answers) == 1 and answers[0][1] == "interrupted"
+    # What had streamed by then, kept (C11).
+    assert answers[0][0] and answer.startswith(answers[0][0])

@@ -33,6 +33,7 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httpx
 
@@ -62,8 +63,9 @@ class _Protocol(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport: asyncio's, or another loop's with the same methods (uvloop's
+        # subclass nothing of asyncio's).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.chunks.append(data)
@@ -504,8 +506,7 @@ class ModelTransport(httpx.AsyncBaseTransport):
             ) from exc
         except (OSError, ssl.SSLError) as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
-        assert isinstance(transport, asyncio.Transport) and isinstance(protocol, _Protocol)
-        return _Connection(origin, transport, protocol)
+        return _Connection(origin, cast(asyncio.Transport, transport), protocol)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -240,6 +240,11 @@ class Engine:
             await self.workers.start_claimed(started)
         elif ack.turn_id is not None:
             await self.kick(session.pk)
+        if started is not None:
+            # G6: one step of the loop for the turn's worker, whose first is the model request
+            # when the input is built: the request goes out before the caller's ack, which the
+            # model's own time to its first token then covers.
+            await asyncio.sleep(0)
         return ack
 
     def _prepare_beside(self, started: queue.Started, ahead: ReadAhead) -> PreparedInput | None:

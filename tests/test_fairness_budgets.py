@@ -259,7 +259,8 @@ async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_
     # covers: F7, G6 (with a cache server a send's charge runs beside its admission, whose
     # transaction waits for it: a refusal that comes back after the admission's statements
     # still rolls them back; a counter seen over its budget refuses the next send at once,
-    # with no round trip and no admission)
+    # with no round trip and no admission; on PostgreSQL the refused send's input was being
+    # built meanwhile, and neither it nor its message reaches the model or the history cache)
     import time
     import types
     import uuid
@@ -314,6 +315,34 @@ async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_
             assert [m.content for m in await history(session) if m.role == "user"] == [
                 "first",
                 "second",
+            ]
+
+            # The next minute's budget: the dialog goes on exactly as stored.
+            monkeypatch.setattr(limits._COUNTS, "run_many", real)
+            monkeypatch.setattr(limits, "time", types.SimpleNamespace(time=lambda: fixed + 60))
+            fake_model.script(Reply(text="three"))
+            ack = await send(engine, session, "fifth")
+            assert ack.turn_id is not None
+            await engine.wait_idle(session.pk)
+            shown = [
+                (m["role"], m["content"].split("\n\n[runtime context]", 1)[0])
+                for m in fake_model.turn_requests()[-1].messages[1:]
+            ]
+            assert shown == [
+                ("user", "first"),
+                ("assistant", "one"),
+                ("user", "second"),
+                ("assistant", "two"),
+                ("user", "fifth"),
+            ]
+            # After the welcome: what was accepted, nothing of what was refused.
+            assert [m.content for m in await history(session)][1:] == [
+                "first",
+                "one",
+                "second",
+                "two",
+                "fifth",
+                "three",
             ]
 
 

@@ -199,8 +199,19 @@ class Engine:
             else None
         )
 
+        def build_beside(started: queue.Started) -> None:
+            # G6: the turn's input is built from the read beside the admission, on another
+            # database thread from the moment the turn is decided, while the admission waits
+            # for its charge and its COMMIT's round trip: the worker's first step is the model
+            # request. Ahead of the admissions still waiting (a burst's first turns do not
+            # wait for its last admission).
+            assert ahead is not None
+            started.prepared = start_on_db(
+                functools.partial(self._prepare_beside, started, ahead), first=True
+            )
+
         def admit() -> tuple[Ack, queue.Started | None]:
-            ack, started = queue.admit_and_start(
+            return queue.admit_and_start(
                 inbound,
                 session,
                 cfg=self.cfg,
@@ -208,17 +219,8 @@ class Engine:
                 start_as=start_as,
                 held=held,
                 before_commit=charged.wait if charged is not None else None,
+                on_started=build_beside if ahead is not None else None,
             )
-            if started is not None and ahead is not None:
-                # G6: the turn's input is built from the read beside the admission, on a
-                # database thread from the moment the admission has committed, while the ack
-                # and the user message's delta go out: the worker's first step is the model
-                # request. Ahead of the admissions still waiting (a burst's first turns do
-                # not wait for its last admission).
-                started.prepared = start_on_db(
-                    functools.partial(self._prepare_beside, started, ahead), first=True
-                )
-            return ack, started
 
         try:
             # A4: retries of the write wait on the loop, not on the database thread.
@@ -240,18 +242,13 @@ class Engine:
             await self.workers.start_claimed(started)
         elif ack.turn_id is not None:
             await self.kick(session.pk)
-        if started is not None:
-            # G6: one step of the loop for the turn's worker, whose first is the model request
-            # when the input is built: the request goes out before the caller's ack, which the
-            # model's own time to its first token then covers.
-            await asyncio.sleep(0)
         return ack
 
     def _prepare_beside(self, started: queue.Started, ahead: ReadAhead) -> PreparedInput | None:
-        """On a database thread, once the admission has committed: the started turn's input,
-        or None for the worker to build (`prepare`)."""
+        """On a database thread, while the admission commits: the started turn's input, or
+        None for the worker to build (`prepare`)."""
         try:
-            return self.builder.prepare_beside(started.session, ahead)
+            return self.builder.prepare_beside(started.session, ahead, started.appended)
         except Exception:
             logger.warning(
                 "could not build a turn's input beside its admission",

@@ -238,7 +238,7 @@ class Started:
     generation: int
     # The turn's context, read while the admission ran (`Engine.submit`), for its build.
     ahead: ReadAhead | None = None
-    # The turn's input, being built from that read since the admission committed
+    # The turn's input, being built from that read while the admission commits
     # (`Engine.submit`); None (or a None result): the worker builds it.
     prepared: concurrent.futures.Future[PreparedInput | None] | None = None
 
@@ -309,6 +309,7 @@ def admit_and_start(
     start_as: str | None,
     held: Lease | None = None,
     before_commit: Callable[[], None] | None = None,
+    on_started: Callable[[Started], None] | None = None,
 ) -> tuple[Ack, Started | None]:
     """`admit`, and for a send to an idle dialog whose lease is free, start its turn in the
     same transaction (G6: one round trip before the context is read): take the lease for
@@ -327,11 +328,16 @@ def admit_and_start(
     three writes as one statement (`rows.merged`), sent with the COMMIT.
 
     `before_commit`: run last inside the transaction (a send-rate charge under way,
-    `limits.PendingCharge.wait`); raising rolls everything back."""
+    `limits.PendingCharge.wait`); raising rolls everything back. `on_started`: called with
+    the started turn as soon as it is decided, before that wait and the COMMIT (the turn's
+    input built meanwhile, `Engine.submit`); a `Started` of an attempt that did not commit
+    is never returned, so what was made for it goes unused."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         with transaction.atomic():
             admitted = decide()
+            if on_started is not None and admitted[2] is not None:
+                on_started(admitted[2])
             if before_commit is not None:
                 before_commit()
             return admitted

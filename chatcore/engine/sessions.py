@@ -185,6 +185,47 @@ class SessionStates:
             self._enforce_budget()
         return messages
 
+    def history_through(
+        self, session: Session, *, after_seq: int, through_seq: int
+    ) -> list[Message]:
+        """The stored history after `after_seq` through `through_seq`, for a build made while
+        the transaction that appends after `through_seq` is still open (G6): as this process
+        holds it, changing nothing; else read, and kept as the dialog's state through
+        `through_seq` only when the process holds none (the append, once committed, extends
+        it, `apply_appended`; if that came first, the next `history` reads what it lacks)."""
+        with self._lock:
+            state = self._states.get(session.pk)
+        if (
+            state is not None
+            and state.generation == session.generation
+            and state.base_seq <= after_seq
+            and state.last_seq >= through_seq
+        ):
+            messages = state.messages  # replaced by every change, never changed in place
+            return messages[
+                bisect.bisect_right(messages, after_seq, key=_seq) : bisect.bisect_right(
+                    messages, through_seq, key=_seq
+                )
+            ]
+        rows = [
+            m
+            for m in selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq)
+            if m.seq <= through_seq
+        ]
+        if state is None:
+            read = SessionState(
+                pk=session.pk,
+                generation=session.generation,
+                last_seq=through_seq,
+                base_seq=after_seq,
+            )
+            read.set_messages(rows)
+            with self._lock:
+                if session.pk not in self._states:
+                    self._states[session.pk] = read
+                    self._enforce_budget()
+        return rows
+
     def _enforce_budget(self) -> None:
         """Evict least recently used states until the cache fits its byte budget (the lock
         is held). A dialog larger than the whole budget is served but not kept."""

@@ -25,7 +25,7 @@ from typing import Any
 from django.conf import settings
 
 from chatcore.common.dbthreads import on_db, start_on_db
-from sessions_app import selectors
+from sessions_app import selectors, services
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
 from ..provider_types import EncodedMessage
@@ -307,19 +307,23 @@ class TurnInputBuilder:
             budget_ratio=budget_ratio,
         )
 
-    def prepare_beside(self, session: Session, ahead: ReadAhead) -> PreparedInput | None:
+    def prepare_beside(
+        self, session: Session, ahead: ReadAhead, appended: services.Appended | None = None
+    ) -> PreparedInput | None:
         """A send's turn input, built on a database thread as soon as its admission has
-        committed and started its turn (`Engine.submit`, G6): from the context read beside the
-        admission, on the row the admission left, with no trip back to the event loop and out
-        again before the model request. None when that read cannot be used (the worker then
-        reads and builds, `prepare`)."""
+        started its turn (`Engine.submit`, G6), while that transaction waits for its COMMIT:
+        from the context read beside the admission, on the row the admission left and with
+        the messages it `appended` (not yet committed, so neither read nor recorded in the
+        history cache here), with no trip back to the event loop and out again before the
+        model request. None when that read cannot be used (the worker then reads and builds,
+        `prepare`)."""
         found = ahead.valid_now(session)
         if found is None:
             return None
         runtime = RuntimeInfo(
             channel=session.channel, dialog_id=session.dialog_id, title=session.title
         )
-        return self._build(session.pk, runtime, session=session, found=found)
+        return self._build(session.pk, runtime, session=session, found=found, appended=appended)
 
     def _build(
         self,
@@ -331,13 +335,16 @@ class TurnInputBuilder:
         pending: list[PendingMessage] | None = None,
         exclude_turn_partials: str | None = None,
         budget_ratio: float | None = None,
+        appended: services.Appended | None = None,
     ) -> PreparedInput:
         """On a database thread. G6: the context (compaction, history window, memory notes)
         in one statement, beside the dialog row the claim read; F7: then the conversion,
         counting and trimming, which grow with the dialog: all in one trip to that thread."""
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
         budget = int(self.context_window * ratio)
-        row, history, compaction, skipped, notes = self._load_context(session_pk, session, found)
+        row, history, compaction, skipped, notes = self._load_context(
+            session_pk, session, found, appended
+        )
         prepared = self.assemble(
             session=row,
             history=history,
@@ -396,6 +403,7 @@ class TurnInputBuilder:
         session_pk: str,
         session: Session | None = None,
         found: selectors.TurnContext | None = None,
+        appended: services.Appended | None = None,
     ) -> tuple[Session, list[Message], Compaction | None, int, list[str]]:
         """Runs on a database thread (`on_db`), beside other dialogs' calls (F7). The dialog
         row as the claim locked it, and the rest (compaction, history window, memory notes)
@@ -419,7 +427,13 @@ class TurnInputBuilder:
             skipped = selectors.messages_count_between(
                 session_pk=session_pk, after_seq=through, through_seq=found.window_start
             )
-        history = self.states.history(session, after_seq=found.window_start)
+        if appended is None:
+            history = self.states.history(session, after_seq=found.window_start)
+        else:
+            # The admission's own messages, still in its open transaction, come as written.
+            history = self.states.history_through(
+                session, after_seq=found.window_start, through_seq=appended.base_revision
+            ) + [m for m in appended.messages if m.seq > found.window_start]
         return session, history, found.compaction, skipped, found.notes
 
     def assemble(

@@ -1,6 +1,8 @@
 """The scaled mode's channel layer (issue 10 items 3 and 4): channels_redis's pub/sub layer
-with its publishes pipelined. A real Redis: many publishes at once go in a few round trips,
-in the order they were made, each to its subscribers; one whose caller gave up still goes."""
+with its publishes pipelined on a connection of their own. A real Redis: many publishes at
+once go in a few round trips, in the order they were made, each to its subscribers; one whose
+caller gave up still goes; a connection lost under a batch fails its callers, and the next
+publish goes on a new one."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import uuid
 
 import pytest
-from redis.asyncio.client import Pipeline
+import redis.asyncio as aioredis
 
 from chatcore.common.redislayer import PipelinedShardConnection, RedisPubSubLayer
 
@@ -30,13 +32,13 @@ async def test_a_burst_of_publishes_goes_in_a_few_round_trips_and_in_order(
     # covers: D1, D2, G6 (frames of one process reach a subscriber in the order sent)
     sender, receiver = _layers(redis_url)
     trips: list[int] = []
-    real_execute = Pipeline.execute
+    real_send = PipelinedShardConnection._send_batch
 
-    async def execute(self: Pipeline, *args: object, **kwargs: object) -> object:
-        trips.append(len(self.command_stack))
-        return await real_execute(self, *args, **kwargs)
+    async def send_batch(self: PipelinedShardConnection, batch: list[tuple[str, bytes]]) -> None:
+        trips.append(len(batch))
+        await real_send(self, batch)
 
-    monkeypatch.setattr(Pipeline, "execute", execute)
+    monkeypatch.setattr(PipelinedShardConnection, "_send_batch", send_batch)
     try:
         channel = await receiver.new_channel()
         await receiver.group_add("sess.burst", channel)
@@ -71,22 +73,61 @@ async def test_a_publish_whose_caller_gave_up_is_still_sent(redis_url: str) -> N
         await receiver.flush()
 
 
-async def test_every_caller_of_a_failed_batch_gets_the_error(redis_url: str) -> None:
-    # covers: G5 (a publish that did not go out says so; `publish.apublish` logs and counts it)
-    layer, _other = _layers(redis_url)
+async def test_every_caller_of_a_batch_whose_connection_is_lost_gets_the_error(
+    redis_url: str,
+) -> None:
+    # covers: G5 (a publish that did not go out says so; `publish.apublish` logs and counts
+    # it), A4 (the next publish goes on a new connection)
+    layer, receiver = _layers(redis_url)
+    admin = aioredis.Redis.from_url(redis_url)
     try:
-        await layer.group_send("sess.fail", {"type": "warm-up"})
+        channel = await receiver.new_channel()
+        await receiver.group_add("sess.lost", channel)
+        await layer.group_send("sess.lost", {"type": "x", "n": 0})
+        assert (await asyncio.wait_for(receiver.receive(channel), 5))["n"] == 0
         shard = layer._get_layer()._shards[0]
-        assert isinstance(shard, PipelinedShardConnection)
-
-        shard._redis.pipeline = lambda **kwargs: _Broken()  # type: ignore[method-assign]
-        results = await asyncio.gather(
-            *(layer.group_send("sess.fail", {"type": "x", "n": i}) for i in range(5)),
-            return_exceptions=True,
-        )
-        assert all(isinstance(r, ConnectionError) for r in results)
+        assert isinstance(shard, PipelinedShardConnection) and shard._publisher is not None
+        publisher_id = await shard._publisher.command("CLIENT", "ID")
+        # Redis holds the batch unanswered; its connection is then ended under it.
+        await admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
+        try:
+            sends = [
+                asyncio.ensure_future(layer.group_send("sess.lost", {"type": "x", "n": i}))
+                for i in range(1, 6)
+            ]
+            await asyncio.sleep(0.2)
+            assert not any(send.done() for send in sends)
+            await admin.execute_command("CLIENT", "KILL", "ID", publisher_id)
+            results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 5)
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+        assert all(isinstance(r, ConnectionError) for r in results), results
+        await layer.group_send("sess.lost", {"type": "x", "n": 6})
+        assert (await asyncio.wait_for(receiver.receive(channel), 5))["n"] == 6
+        assert await shard._publisher.command("CLIENT", "ID") != publisher_id
     finally:
+        await admin.aclose()
         await layer.flush()
+        await receiver.flush()
+
+
+async def test_a_publish_the_server_refuses_says_why_and_the_layer_goes_on(
+    redis_url: str,
+) -> None:
+    # covers: G5 (a layer that cannot sign in fails its publishes with Redis's reason, the
+    # same as one whose connection is lost; nothing is half sent)
+    address, _, database = redis_url.rpartition("/")
+    wrong = RedisPubSubLayer(
+        hosts=[f"{address.replace('redis://', 'redis://:not-the-password@')}/{database}"],
+        prefix=f"rl{uuid.uuid4().hex[:8]}",
+    )
+    try:
+        with pytest.raises(ConnectionError, match="AUTH"):
+            await wrong.group_send("sess.refused", {"type": "x"})
+        with pytest.raises(ConnectionError, match="AUTH"):
+            await wrong.group_send("sess.refused", {"type": "x"})
+    finally:
+        await wrong.flush()
 
 
 async def test_frames_for_this_layers_consumers_do_not_go_round_through_redis(
@@ -105,13 +146,15 @@ async def test_frames_for_this_layers_consumers_do_not_go_round_through_redis(
         assert (await here.receive(mine))["n"] == 0
 
         held = asyncio.Event()
-        real_execute = Pipeline.execute
+        real_send = PipelinedShardConnection._send_batch
 
-        async def execute(self: Pipeline, *args: object, **kwargs: object) -> object:
+        async def send_batch(
+            self: PipelinedShardConnection, batch: list[tuple[str, bytes]]
+        ) -> None:
             await held.wait()  # Redis is slow: nothing published is back yet
-            return await real_execute(self, *args, **kwargs)
+            await real_send(self, batch)
 
-        monkeypatch.setattr(Pipeline, "execute", execute)
+        monkeypatch.setattr(PipelinedShardConnection, "_send_batch", send_batch)
         sends = [
             asyncio.ensure_future(here.group_send("sess.local", {"type": "x", "n": n}))
             for n in (1, 2)
@@ -163,22 +206,6 @@ async def test_the_watchs_ping_crosses_redis_and_older_layers_frames_arrive(
     finally:
         await layer.flush()
         await older.flush()
-
-
-class _Broken:
-    """A pipeline whose server is gone."""
-
-    async def __aenter__(self) -> _Broken:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-    def publish(self, channel: str, message: bytes) -> None:
-        pass
-
-    async def execute(self) -> None:
-        raise ConnectionError("redis went away")
 
 
 @pytest.mark.django_db

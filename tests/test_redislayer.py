@@ -111,6 +111,44 @@ async def test_every_caller_of_a_batch_whose_connection_is_lost_gets_the_error(
         await receiver.flush()
 
 
+async def test_a_lost_subscription_comes_back_a_second_later_with_every_channel(
+    redis_url: str,
+) -> None:
+    # covers: G5 (frames published while the subscription is down are lost, the layer watch's
+    # pings among them; then every channel and group of the process hears again)
+    from chatcore.common.redislayer import RESUBSCRIBE_SECONDS
+
+    sender, receiver = _layers(redis_url)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        mine = await receiver.new_channel()
+        grouped = await receiver.new_channel()
+        await receiver.group_add("sess.back", grouped)
+        await sender.send(mine, {"type": "x", "n": 0})
+        assert (await asyncio.wait_for(receiver.receive(mine), 5))["n"] == 0
+        shard = receiver._get_layer()._shards[0]
+        assert isinstance(shard, PipelinedShardConnection) and shard._subscriber is not None
+        lost = shard._subscriber
+        host, port = lost._transport.get_extra_info("sockname")[:2]  # type: ignore[union-attr]
+        await admin.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+        for _ in range(50):
+            if not lost.usable:
+                break
+            await asyncio.sleep(0.01)
+        assert not lost.usable
+        await sender.send(mine, {"type": "x", "n": 1})  # nobody hears it: lost
+        await asyncio.sleep(RESUBSCRIBE_SECONDS + 0.5)
+        assert shard._subscriber is not None and shard._subscriber is not lost
+        await sender.send(mine, {"type": "x", "n": 2})
+        await sender.group_send("sess.back", {"type": "x", "n": 3})
+        assert (await asyncio.wait_for(receiver.receive(mine), 5))["n"] == 2
+        assert (await asyncio.wait_for(receiver.receive(grouped), 5))["n"] == 3
+    finally:
+        await admin.aclose()
+        await sender.flush()
+        await receiver.flush()
+
+
 async def test_a_publish_the_server_refuses_says_why_and_the_layer_goes_on(
     redis_url: str,
 ) -> None:

@@ -12,11 +12,15 @@ it was filled, batch after batch), each publish's caller still waits for its own
 and gets its own error, and a publish is on its way the moment it is made: a caller
 cancelled meanwhile does not take it back.
 
-The publishes go on a connection of the shard's own (`PublishConnection`), which speaks
+The publishes go on a connection of the shard's own (`RespConnection`), which speaks
 only what they need: the commands packed by hiredis, the replies read by hiredis as the
 socket delivers them, one future per command. redis-py's pipeline (a command stack, a retry
 wrapper, a timeout and a parse per reply) cost three times as much CPU per publish, on the
-event loop every stream shares. Subscriptions stay on channels_redis's own connection.
+event loop every stream shares. The subscriptions have a connection of their own too, whose
+pushes are put in the consumers' queues in its protocol's callback, where channels_redis ran
+a task that woke for each message through redis-py's `get_message` and its timeout. A lost
+subscribing connection is opened again a second later (`RESUBSCRIBE_SECONDS`), subscribed to
+every channel the shard had, as channels_redis's retry did.
 
 Frames for this process's own consumers do not go round through Redis: a group send puts
 the frame in the queue of every member of the group on this layer at once (then publishes it
@@ -35,9 +39,11 @@ connection is the layer watch's business (`engine/layerwatch.py`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -48,6 +54,11 @@ from channels_redis.pubsub import (
 )
 from channels_redis.utils import _wrap_close, create_pool, decode_hosts
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+
+# A lost subscribing connection is opened again after this long, and then once as often.
+RESUBSCRIBE_SECONDS = 1.0
+
+logger = logging.getLogger(__name__)
 
 # Publishes sent in one pipeline at most (a larger outbox goes in several, in order).
 MAX_BATCH = 256
@@ -60,25 +71,38 @@ _TAG_LENGTH = 1 + 16
 _NOBODY = _MARK + bytes(16)
 
 
-class PublishConnection(asyncio.Protocol):
-    """A shard's connection for publishes: commands written packed, replies parsed by hiredis
-    in `data_received`, each settling the oldest command's future (Redis answers in order).
-    A lost connection fails every command still waiting; the next publish opens another."""
+class RespConnection(asyncio.Protocol):
+    """A shard's connection to Redis, for publishes or for subscriptions: commands written
+    packed, replies parsed by hiredis in `data_received` as the socket delivers them. A reply
+    settles the oldest command's future (Redis answers in order); on a subscribing
+    connection, what comes with no command waiting is a push, handed to `on_push` there and
+    then. A lost connection fails every command still waiting and calls `on_lost`."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        on_push: Callable[[Any], None] | None = None,
+        on_lost: Callable[[RespConnection], None] | None = None,
+    ) -> None:
         self._reader = hiredis.Reader()
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._transport: asyncio.Transport | None = None
         self._lost: Exception | None = None
+        self._on_push = on_push
+        self._on_lost = on_lost
 
     @classmethod
-    async def open(cls, host: dict[str, Any]) -> PublishConnection:
+    async def open(
+        cls,
+        host: dict[str, Any],
+        on_push: Callable[[Any], None] | None = None,
+        on_lost: Callable[[RespConnection], None] | None = None,
+    ) -> RespConnection:
         """Connected to `host` (channels_redis's form: a URL, redis://, rediss:// or unix://,
         with its options), signed in and on its database."""
         pool = create_pool(host)
         options = pool.connection_kwargs
         loop = asyncio.get_running_loop()
-        conn = cls()
+        conn = cls(on_push, on_lost)
         if issubclass(pool.connection_class, UnixDomainSocketConnection):
             await loop.create_unix_connection(lambda: conn, options["path"])
         elif issubclass(pool.connection_class, SSLConnection):
@@ -116,13 +140,18 @@ class PublishConnection(asyncio.Protocol):
 
     def send(self, commands: list[tuple[Any, ...]]) -> list[asyncio.Future[Any]]:
         """Write `commands` at once; a future per command, settled with its reply."""
-        if self._transport is None or self._lost is not None:
-            raise ConnectionError(f"the channel layer's Redis connection is closed: {self._lost}")
+        self.write(commands)
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in commands]
         self._waiting.extend(futures)
-        self._transport.write(b"".join(hiredis.pack_command(command) for command in commands))
         return futures
+
+    def write(self, commands: list[tuple[Any, ...]]) -> None:
+        """Write `commands` at once, waiting for no reply (what a subscription's pushes
+        answer)."""
+        if self._transport is None or self._lost is not None:
+            raise ConnectionError(f"the channel layer's Redis connection is closed: {self._lost}")
+        self._transport.write(b"".join(hiredis.pack_command(command) for command in commands))
 
     async def command(self, *args: Any) -> Any:
         return await self.send([args])[0]
@@ -143,8 +172,11 @@ class PublishConnection(asyncio.Protocol):
             if reply is False:
                 return
             if not self._waiting:
-                self._fail(ConnectionError("the channel layer's Redis sent a reply unasked"))
-                return
+                if self._on_push is None:
+                    self._fail(ConnectionError("the channel layer's Redis sent a reply unasked"))
+                    return
+                self._on_push(reply)
+                continue
             future = self._waiting.popleft()
             if future.done():
                 continue
@@ -157,13 +189,16 @@ class PublishConnection(asyncio.Protocol):
         self._fail(exc or ConnectionError("the channel layer's Redis closed the connection"))
 
     def _fail(self, exc: Exception) -> None:
-        if self._lost is None:
+        first = self._lost is None
+        if first:
             self._lost = exc if isinstance(exc, ConnectionError) else ConnectionError(str(exc))
         while self._waiting:
             future = self._waiting.popleft()
             if not future.done():
-                future.set_exception(self._lost)
+                future.set_exception(self._lost)  # type: ignore[arg-type]
         self.close()
+        if first and self._on_lost is not None:
+            self._on_lost(self)
 
 
 def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:
@@ -188,7 +223,9 @@ class PipelinedShardConnection(RedisSingleShardConnection):
         super().__init__(host, channel_layer)
         self._outbox: list[tuple[str, bytes, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
-        self._publisher: PublishConnection | None = None
+        self._publisher: RespConnection | None = None
+        self._subscriber: RespConnection | None = None
+        self._resubscriber: asyncio.Task[None] | None = None
 
     async def publish(self, channel: str, message: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -217,7 +254,7 @@ class PipelinedShardConnection(RedisSingleShardConnection):
         """One round trip: every publish of `batch` written at once, then their replies."""
         publisher = self._publisher
         if publisher is None or not publisher.usable:
-            publisher = self._publisher = await PublishConnection.open(self.host)
+            publisher = self._publisher = await RespConnection.open(self.host)
         replies = publisher.send([("PUBLISH", channel, message) for channel, message in batch])
         try:
             await asyncio.gather(*replies)
@@ -228,21 +265,96 @@ class PipelinedShardConnection(RedisSingleShardConnection):
             self._publisher = None
             raise
 
-    async def flush(self) -> None:
-        if self._publisher is not None:
-            self._publisher.close()
-            self._publisher = None
-        await super().flush()
+    # --- subscriptions ------------------------------------------------------------------
 
-    def _receive_message(self, message: Any) -> None:
-        if message is None:
+    async def subscribe(self, channel: str) -> None:
+        async with self._lock:
+            if channel in self._subscribed_to:
+                return
+            self._subscribed_to.add(channel)
+            try:
+                if self._subscriber is None or not self._subscriber.usable:
+                    await self._open_subscriber()  # subscribes to every channel, this one too
+                else:
+                    self._subscriber.write([("SUBSCRIBE", channel)])
+            except BaseException:
+                self._subscribed_to.discard(channel)
+                raise
+
+    async def unsubscribe(self, channel: str) -> None:
+        async with self._lock:
+            if channel not in self._subscribed_to:
+                return
+            self._subscribed_to.discard(channel)
+            if self._subscriber is not None and self._subscriber.usable:
+                self._subscriber.write([("UNSUBSCRIBE", channel)])
+
+    async def _open_subscriber(self) -> None:
+        """A new subscribing connection, subscribed to every channel of the shard."""
+        subscriber = await RespConnection.open(
+            self.host, on_push=self._on_push, on_lost=self._subscriber_lost
+        )
+        if self._subscribed_to:
+            subscriber.write([("SUBSCRIBE", *sorted(self._subscribed_to))])
+        self._subscriber = subscriber
+
+    def _subscriber_lost(self, lost: RespConnection) -> None:
+        if lost is not self._subscriber:
+            return  # closed on purpose (`flush`), or already replaced
+        self._subscriber = None
+        if self._subscribed_to and (self._resubscriber is None or self._resubscriber.done()):
+            self._resubscriber = asyncio.get_running_loop().create_task(
+                self._resubscribe(), name="redis-layer-resubscribe"
+            )
+
+    async def _resubscribe(self) -> None:
+        """After a lost subscribing connection: a new one, tried once a second. Never at once:
+        frames published meanwhile are gone, and the layer watch's pings (four a second) must
+        be among them for it to see the outage and close the sockets (G5)."""
+        while True:
+            await asyncio.sleep(RESUBSCRIBE_SECONDS)
+            async with self._lock:
+                if not self._subscribed_to or (
+                    self._subscriber is not None and self._subscriber.usable
+                ):
+                    return
+                try:
+                    await self._open_subscriber()
+                except Exception as exc:
+                    logger.warning("the channel layer cannot subscribe again yet: %s", exc)
+                    continue
+            logger.info("the channel layer subscribed again after its connection was lost")
             return
-        data = message["data"]
-        if isinstance(data, bytes) and data[:1] == _MARK:
+
+    def _on_push(self, push: Any) -> None:
+        """A push on the subscribing connection, in its protocol's callback: a message is put
+        in its channel's queue, or in those of its group's members here, there and then."""
+        if not (isinstance(push, list) and len(push) == 3 and push[0] == b"message"):
+            return  # a (un)subscription's confirmation
+        name, data = push[1].decode(), push[2]
+        if data[:1] == _MARK:
             if data[:_TAG_LENGTH] == self.channel_layer.origin:
                 return  # sent by this layer, which delivered it to its own consumers then
-            message["data"] = data[_TAG_LENGTH:]
-        super()._receive_message(message)
+            data = data[_TAG_LENGTH:]
+        layer = self.channel_layer
+        queue = layer.channels.get(name)
+        if queue is not None:
+            queue.put_nowait(data)
+            return
+        for member in layer.groups.get(name, ()):
+            queue = layer.channels.get(member)
+            if queue is not None:
+                queue.put_nowait(data)
+
+    async def flush(self) -> None:
+        if self._resubscriber is not None:
+            self._resubscriber.cancel()
+            self._resubscriber = None
+        for conn in (self._publisher, self._subscriber):
+            if conn is not None:
+                conn.close()
+        self._publisher = self._subscriber = None
+        await super().flush()
 
 
 class PipelinedLoopLayer(RedisPubSubLoopLayer):

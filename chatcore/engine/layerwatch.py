@@ -9,9 +9,9 @@ connection that registered here is told once per outage, and closes (the client 
 and reads the state anew: its `sessions` and `session_history` frames) instead of waiting
 silently for frames that will never come.
 
-Publishes reconnect at once when Redis is back, but the subscription comes back only on the
-layer's next receive attempt (a second later at the earliest), so the frames lost in between
-always include a ping. A ping that is only late (a loop busy with a hundred streams, a slow
+Publishes reconnect at once when Redis is back, but the subscription comes back only a second
+after its connection was lost (`redislayer.RESUBSCRIBE_SECONDS`), so the frames lost in
+between always include a ping. A ping that is only late (a loop busy with a hundred streams, a slow
 Redis) is not an outage: closing every socket then would only add a hundred reconnects to the
 load.
 """

@@ -115,7 +115,8 @@ async def test_a_lost_subscription_comes_back_a_second_later_with_every_channel(
     redis_url: str,
 ) -> None:
     # covers: G5 (frames published while the subscription is down are lost, the layer watch's
-    # pings among them; then every channel and group of the process hears again)
+    # pings among them: a socket that joins meanwhile does not bring the subscription back
+    # early; then every channel and group of the process hears again, the new one too)
     from chatcore.common.redislayer import RESUBSCRIBE_SECONDS
 
     sender, receiver = _layers(redis_url)
@@ -137,12 +138,16 @@ async def test_a_lost_subscription_comes_back_a_second_later_with_every_channel(
             await asyncio.sleep(0.01)
         assert not lost.usable
         await sender.send(mine, {"type": "x", "n": 1})  # nobody hears it: lost
+        joined = await receiver.new_channel()  # a socket connecting during the outage
+        assert shard._subscriber is None
         await asyncio.sleep(RESUBSCRIBE_SECONDS + 0.5)
         assert shard._subscriber is not None and shard._subscriber is not lost
         await sender.send(mine, {"type": "x", "n": 2})
         await sender.group_send("sess.back", {"type": "x", "n": 3})
+        await sender.send(joined, {"type": "x", "n": 4})
         assert (await asyncio.wait_for(receiver.receive(mine), 5))["n"] == 2
         assert (await asyncio.wait_for(receiver.receive(grouped), 5))["n"] == 3
+        assert (await asyncio.wait_for(receiver.receive(joined), 5))["n"] == 4
     finally:
         await admin.aclose()
         await sender.flush()

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -110,7 +109,8 @@ class RespConnection(asyncio.Protocol):
                 lambda: conn,
                 options.get("host", "localhost"),
                 options.get("port", 6379),
-                ssl=_ssl_context(options),
+                # redis-py's own TLS context from the URL's options.
+                ssl=pool.make_connection().ssl_context.get(),
             )
         elif pool.connection_class.__name__ == "Connection":
             await loop.create_connection(
@@ -201,23 +201,6 @@ class RespConnection(asyncio.Protocol):
             self._on_lost(self)
 
 
-def _ssl_context(options: dict[str, Any]) -> ssl.SSLContext:
-    """redis-py's TLS options (from a rediss:// URL) as a context for the publish connection."""
-    context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
-    if options.get("ssl_certfile"):
-        context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
-    required = options.get("ssl_cert_reqs", "required")
-    if required in ("none", ssl.CERT_NONE):
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    elif required in ("optional", ssl.CERT_OPTIONAL):
-        context.check_hostname = bool(options.get("ssl_check_hostname", False))
-        context.verify_mode = ssl.CERT_OPTIONAL
-    else:
-        context.check_hostname = bool(options.get("ssl_check_hostname", True))
-    return context
-
-
 class PipelinedShardConnection(RedisSingleShardConnection):
     def __init__(self, host: Any, channel_layer: Any) -> None:
         super().__init__(host, channel_layer)
@@ -257,13 +240,19 @@ class PipelinedShardConnection(RedisSingleShardConnection):
             publisher = self._publisher = await RespConnection.open(self.host)
         replies = publisher.send([("PUBLISH", channel, message) for channel, message in batch])
         try:
-            await asyncio.gather(*replies)
-        except BaseException:
-            # A refused publish or a lost connection: the replies still owed would be read as
-            # the next batch's, so this connection goes and the next batch opens another.
+            # Every reply is waited for, so none is left with an error nobody reads.
+            outcomes = await asyncio.gather(*replies, return_exceptions=True)
+        except BaseException:  # cancelled (shutdown): the replies owed go with the connection
             publisher.close()
             self._publisher = None
             raise
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is not None:
+            # A refused publish or a lost connection: replies still owed would be read as the
+            # next batch's, so this connection goes and the next batch opens another.
+            publisher.close()
+            self._publisher = None
+            raise failed
 
     # --- subscriptions ------------------------------------------------------------------
 
@@ -272,6 +261,10 @@ class PipelinedShardConnection(RedisSingleShardConnection):
             if channel in self._subscribed_to:
                 return
             self._subscribed_to.add(channel)
+            if self._resubscriber is not None and not self._resubscriber.done():
+                # A lost connection is opened again on its own schedule, with this channel:
+                # not at once, or the frames lost meanwhile might hold no ping (G5).
+                return
             try:
                 if self._subscriber is None or not self._subscriber.usable:
                     await self._open_subscriber()  # subscribes to every channel, this one too

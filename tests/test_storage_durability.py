@@ -268,6 +268,69 @@ def test_history_after_clearing_holds_only_the_new_messages(user: Any) -> None:
     assert [(m.seq, m.content) for m in rows] == [(3, "new")]
 
 
+def test_an_append_committed_while_a_build_reads_the_history_is_not_read_again(
+    user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: A5, G6 (a send's input is read beside its admission; the admission's commit
+    # can land before that read is stored, and the next turn must not read it again)
+    session = create(user)
+    services.messages_append(session_pk=session.pk, messages=[user_msg("first")])
+    before = fresh(session)
+    states = SessionStates()
+    real_read = selectors.messages_for_context
+    committed: list[services.Appended] = []
+
+    def read_while_another_commits(**kwargs: Any) -> list[Message]:
+        rows = real_read(**kwargs)
+        appended = services.messages_append(session_pk=session.pk, messages=[user_msg("second")])
+        states.apply_appended(appended)  # as the admission does once committed
+        committed.append(appended)
+        return rows
+
+    monkeypatch.setattr(selectors, "messages_for_context", read_while_another_commits)
+    built = states.history_through(before, after_seq=0, through_seq=before.last_seq)
+    monkeypatch.setattr(selectors, "messages_for_context", real_read)
+    assert [m.content for m in built][-1:] == ["first"]
+    assert committed
+    after = fresh(session)
+    with CaptureQueriesContext(connection) as queries:
+        rows = states.history(after)
+    assert len(queries) == 0
+    assert [m.content for m in rows][-2:] == ["first", "second"]
+
+
+def test_a_read_that_misses_another_process_write_reads_from_there(
+    user: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: A5 (an append that does not follow on from the read: read from there, no gap)
+    session = create(user)
+    before = fresh(session)
+    states = SessionStates()
+    real_read = selectors.messages_for_context
+
+    def read_while_two_commit(**kwargs: Any) -> list[Message]:
+        rows = real_read(**kwargs)
+        services.messages_append(session_pk=session.pk, messages=[user_msg("elsewhere")])
+        states.apply_appended(
+            services.messages_append(session_pk=session.pk, messages=[user_msg("here")])
+        )
+        return rows
+
+    monkeypatch.setattr(selectors, "messages_for_context", read_while_two_commit)
+    states.history_through(before, after_seq=0, through_seq=before.last_seq)
+    monkeypatch.setattr(selectors, "messages_for_context", real_read)
+    reads: list[int] = []
+
+    def spied(**kwargs: Any) -> list[Message]:
+        reads.append(kwargs["after_seq"])
+        return real_read(**kwargs)
+
+    monkeypatch.setattr(selectors, "messages_for_context", spied)
+    rows = states.history(fresh(session))
+    assert reads == [before.last_seq]  # from the last message it read on, not from the start
+    assert [m.content for m in rows][-2:] == ["elsewhere", "here"]
+
+
 def test_a_stale_session_row_never_duplicates_cached_messages(user: Any) -> None:
     # covers: A5, A3
     session = create(user)

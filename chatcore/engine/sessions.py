@@ -85,6 +85,13 @@ def _seq(message: Message) -> int:
     return message.seq
 
 
+def _through(rows: list[Message], seq: int) -> list[Message]:
+    """The rows up to `seq`: a state holds exactly what its `last_seq` says, never a message
+    committed during its read (which the append's own `apply_appended` brings, or the next
+    read)."""
+    return rows if not rows or rows[-1].seq <= seq else [m for m in rows if m.seq <= seq]
+
+
 @dataclass
 class SessionState:
     pk: str
@@ -120,6 +127,9 @@ class SessionStates:
     def __init__(self, max_bytes: int | None = None) -> None:
         self._states: OrderedDict[str, SessionState] = OrderedDict()
         self._lock = threading.Lock()
+        # Appends committed while `history_through` reads a dialog this process holds nothing
+        # of, one list per read: kept so the state the read leaves does not start behind.
+        self._reads: dict[str, list[list[services.Appended]]] = {}
         self._max_bytes = max_bytes
 
     @property
@@ -151,7 +161,10 @@ class SessionStates:
                 or state.generation != session.generation
                 or state.base_seq > after_seq
             ):
-                rows = selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq)
+                rows = _through(
+                    selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq),
+                    session.last_seq,
+                )
                 state = SessionState(
                     pk=session.pk,
                     generation=session.generation,
@@ -167,7 +180,7 @@ class SessionStates:
                     rows = selectors.messages_for_context(
                         session_pk=session.pk, after_seq=max(state.last_seq, after_seq)
                     )
-                    state.extend(rows)
+                    state.extend(_through(rows, session.last_seq))
                     state.last_seq = session.last_seq
         except DatabaseError:
             if state is None:
@@ -192,9 +205,13 @@ class SessionStates:
         the transaction that appends after `through_seq` is still open (G6): as this process
         holds it, changing nothing; else read, and kept as the dialog's state through
         `through_seq` only when the process holds none (the append, once committed, extends
-        it, `apply_appended`; if that came first, the next `history` reads what it lacks)."""
+        it, `apply_appended`, or, when it commits during the read, the state is extended by
+        it as it is stored)."""
+        missed: list[services.Appended] = []
         with self._lock:
             state = self._states.get(session.pk)
+            if state is None:
+                self._reads.setdefault(session.pk, []).append(missed)
         if (
             state is not None
             and state.generation == session.generation
@@ -207,11 +224,15 @@ class SessionStates:
                     messages, through_seq, key=_seq
                 )
             ]
-        rows = [
-            m
-            for m in selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq)
-            if m.seq <= through_seq
-        ]
+        try:
+            rows = _through(
+                selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq),
+                through_seq,
+            )
+        finally:
+            if state is None:
+                with self._lock:
+                    self._unwatch(session.pk, missed)
         if state is None:
             read = SessionState(
                 pk=session.pk,
@@ -222,9 +243,31 @@ class SessionStates:
             read.set_messages(rows)
             with self._lock:
                 if session.pk not in self._states:
+                    self._catch_up(read, missed)
                     self._states[session.pk] = read
                     self._enforce_budget()
         return rows
+
+    @staticmethod
+    def _catch_up(read: SessionState, missed: list[services.Appended]) -> None:
+        """Extend `read` by the appends committed during it, in order, up to one that does
+        not follow on (another process wrote between: the next `history` reads from there)."""
+        for appended in missed:
+            if appended.revision <= read.last_seq:
+                continue  # already read
+            if (
+                appended.session.generation != read.generation
+                or appended.base_revision != read.last_seq
+            ):
+                return
+            read.extend(appended.messages)
+            read.last_seq = appended.revision
+
+    def _unwatch(self, session_pk: str, missed: list[services.Appended]) -> None:
+        reads = self._reads.get(session_pk, [])
+        reads[:] = [r for r in reads if r is not missed]
+        if not reads:
+            self._reads.pop(session_pk, None)
 
     def _enforce_budget(self) -> None:
         """Evict least recently used states until the cache fits its byte budget (the lock
@@ -240,6 +283,8 @@ class SessionStates:
         with self._lock:
             state = self._states.get(appended.session.pk)
             if state is None:
+                for missed in self._reads.get(appended.session.pk, ()):
+                    missed.append(appended)
                 return
             if (
                 state.generation == appended.session.generation

@@ -229,10 +229,11 @@ class SessionStates:
                 selectors.messages_for_context(session_pk=session.pk, after_seq=after_seq),
                 through_seq,
             )
-        finally:
+        except BaseException:
             if state is None:
                 with self._lock:
                     self._unwatch(session.pk, missed)
+            raise
         if state is None:
             read = SessionState(
                 pk=session.pk,
@@ -242,6 +243,9 @@ class SessionStates:
             )
             read.set_messages(rows)
             with self._lock:
+                # In one hold of the lock: no append lands between the last one kept beside
+                # the read and the state it leaves.
+                self._unwatch(session.pk, missed)
                 if session.pk not in self._states:
                     self._catch_up(read, missed)
                     self._states[session.pk] = read

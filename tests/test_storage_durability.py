@@ -331,6 +331,18 @@ def test_a_read_that_misses_another_process_write_reads_from_there(
     assert [m.content for m in rows][-2:] == ["elsewhere", "here"]
 
 
+def test_a_message_committed_during_a_first_read_is_not_held_twice(user: Any) -> None:
+    # covers: A5 (a read from a session row older than the table: the state holds what the
+    # row's revision says, and the next read brings the rest once)
+    session = create(user)
+    stale = fresh(session)  # read before the append, e.g. by a concurrent builder
+    services.messages_append(session_pk=session.pk, messages=[user_msg("hi")])
+    states = SessionStates()
+    assert [m.seq for m in states.history(stale)] == [1]
+    rows = states.history(fresh(session))
+    assert [m.seq for m in rows] == [1, 2]
+
+
 def test_a_stale_session_row_never_duplicates_cached_messages(user: Any) -> None:
     # covers: A5, A3
     session = create(user)

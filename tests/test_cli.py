@@ -47,7 +47,8 @@ def test_a_cut_answer_says_so_in_the_terminal(cli_env, fake_model):
 
 def test_slash_commands_work_in_the_terminal(cli_env, fake_model):
     # covers: E4, B3
-    stdin = "/new Trip plans\n/rename Holiday\n/switch nowhere\n/bogus\nhello\n/sessions\n"
+    # The send comes last: a command read while its answer streams prints in the middle of it.
+    stdin = "/new Trip plans\n/rename Holiday\n/switch nowhere\n/bogus\n/sessions\nhello\n"
     done = manage("chat", "--dialog-id", "start", env=cli_env, stdin=stdin)
     assert done.returncode == 0, done.stderr
     out = done.stdout

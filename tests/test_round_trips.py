@@ -572,3 +572,36 @@ async def test_a_started_turns_user_message_reaches_the_socket_before_any_of_its
         await ws.close()
     finally:
         runtime.set_engine(None)
+
+
+async def test_a_slow_publish_of_the_user_message_still_reaches_clients_before_its_answer(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6, C3, D1 (the turn's first snapshot waits for its user message's delta to
+    # be published, however long that publish takes, and however fast the model answers)
+    from channels.layers import get_channel_layer
+
+    from chatcore.common import publish
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="slow-delta")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session), publish.session_group(session.pk))
+    layer = get_channel_layer()
+    real_group_send = layer.group_send
+
+    async def group_send(group: str, message: dict[str, Any]) -> None:
+        frames = [one["frame"] for one in publish.unfold(message) if "frame" in one]
+        if any(f.get("type") == "history_delta" and f.get("turn_id") for f in frames):
+            await asyncio.sleep(0.3)  # the question's publish is slow (a busy layer)
+        await real_group_send(group, message)
+
+    monkeypatch.setattr(layer, "group_send", group_send)
+    fake_model.script(Reply(text="an answer at once", chunk=50))
+    ack = await send(engine, session, "a question")
+    frames = await rec.until(lambda f: f["type"] == "turn_updated" and f["turn_id"] == ack.turn_id)
+    mine = [f for f in frames if f.get("turn_id") == ack.turn_id]
+    kinds = [f["type"] for f in mine]
+    assert kinds[0] == "history_delta", kinds
+    assert [m["content"] for m in mine[0]["messages"]] == ["a question"]
+    assert "turn_snapshot" in kinds and kinds[-1] == "turn_updated", kinds

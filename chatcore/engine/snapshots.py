@@ -48,6 +48,9 @@ class LocalTurn:
     # The turn's snapshots winding down after its end (the publish under way landing, then
     # the final flush): it runs beside the commit, and the terminal waits for it (D1).
     drained: asyncio.Task[None] | None = None
+    # The publish of the `history_delta` of the turn's user message, which goes out before
+    # the turn's first snapshot.
+    announced: asyncio.Task[None] | None = None
 
     @property
     def may_speak(self) -> bool:
@@ -106,6 +109,9 @@ async def send_snapshot(local: LocalTurn) -> None:
     layer took it: the turn's end lets a publish under way land (`publishing`), and one
     cancelled anyway (stuck) is sent again by the final flush, so the last tokens always
     reach clients before `turn_updated`, and no tail twice (D1)."""
+    if local.announced is not None and not local.announced.done():
+        # The question reaches the clients before the first piece of its answer.
+        await asyncio.wait([local.announced])
     version = local.snapshot.version
     frame = snapshot_frame(local, full=False)
     local.publishing = True

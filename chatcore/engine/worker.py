@@ -210,12 +210,15 @@ class Workers:
         self._handed[session_pk] = started
         self._wakeups[session_pk].set()
 
-    def _announce(self, appended: services.Appended, turn: Turn) -> None:
-        self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
+    def _announce(self, appended: services.Appended, turn: Turn) -> asyncio.Task[None]:
+        return self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
 
-    def _announcer(self, started: queue.Started) -> Callable[[], None]:
+    def _announcer(
+        self, started: queue.Started, local: LocalTurn | None = None
+    ) -> Callable[[], None]:
         """Publish the `history_delta` of what `started` appended (its user message), once:
-        a task of its own, or at once when the process is shutting down."""
+        a task of its own (`local.announced`, which the turn's first snapshot waits for), or
+        at once when the process is shutting down."""
         pending = [started.appended] if started.appended is not None else []
 
         def announce() -> None:
@@ -223,9 +226,12 @@ class Workers:
                 return
             appended = pending.pop()
             try:
-                self._announce(appended, started.turn)
+                task = self._announce(appended, started.turn)
             except ShuttingDown:
                 services.announce_appended(appended, started.turn)
+            else:
+                if local is not None:
+                    local.announced = task
 
         return announce
 
@@ -408,12 +414,12 @@ class Workers:
         the delta still reaches the clients before any snapshot of the turn, which waits for
         the model's answer), else before the input is built."""
         turn, held = started.turn, started.lease
-        announce = self._announcer(started)
         session = started.session
         turn_id = str(turn.pk)
         log = {"session_id": session.session_id, "turn_id": turn_id}
         snapshot = TurnSnapshot(turn_id=turn_id)
         local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
+        announce = self._announcer(started, local)
         self.local[turn_id] = local
         generation = started.generation
         try:

@@ -411,8 +411,8 @@ class Workers:
         claiming transaction (G6), on the dialog's row as that transaction locked it. That
         message's `history_delta` goes out as the turn starts: when its input was built
         beside the admission, once the model request is on its way (G6: the request first;
-        the delta still reaches the clients before any snapshot of the turn, which waits for
-        the model's answer), else before the input is built."""
+        the delta still reaches the clients before any snapshot of the turn, whose publishes
+        wait for it, `LocalTurn.announced`), else before the input is built."""
         turn, held = started.turn, started.lease
         session = started.session
         turn_id = str(turn.pk)

@@ -40,6 +40,17 @@ def require_service(env_name: str, what: str) -> str:
     return url
 
 
+def require_postgresql() -> None:
+    """Skip (fail in CI) unless the tests run on PostgreSQL."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        reason = "the PostgreSQL backend (run with DATABASE_URL set, as pass 2 of make test does)"
+        if IN_CI:
+            pytest.fail(reason + " (CI must run it)")
+        pytest.skip(reason)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_sync_thread_connections(django_db_setup: None) -> Iterator[None]:
     """Async tests run ORM calls on asgiref's single sync thread and on the database threads;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import psycopg
 from asgiref.sync import sync_to_async
 
 from chatcore.common import dbthreads, publish
@@ -64,3 +65,33 @@ async def unwrap_engine_statements(wrapper: Any) -> None:
     await asyncio.to_thread(
         dbthreads.on_every_thread, lambda: connection.execute_wrappers.remove(wrapper)
     )
+
+
+class Exchanges:
+    """How many times the client got an answer from the server on `conn` after waiting for
+    it: its round trips (a pipeline's writes, which wait for nothing, do not count)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.count = conn, 0
+        self.real = conn.wait
+
+    def __enter__(self) -> Exchanges:
+        def wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.real(self._counted(gen), *args, **kwargs)
+
+        self.conn.wait = wait
+        return self
+
+    def _counted(self, gen: Any) -> Any:
+        sent = None
+        try:
+            while True:
+                ready = gen.send(sent)
+                sent = yield ready
+                if sent & psycopg.waiting.Ready.R:  # the server's answer came in
+                    self.count += 1
+        except StopIteration as stop:
+            return stop.value
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.conn.wait

@@ -27,18 +27,15 @@ from chatcore.postgresql.base import check_connection
 from sessions_app import rows
 from sessions_app.auth import token_for_raw
 from sessions_app.models import Session
-from tests.conftest import IN_CI
+from tests.conftest import require_postgresql
+from tests.engine_helpers import Exchanges
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
 
 
 @pytest.fixture
 def pool() -> Any:
-    if connection.vendor != "postgresql":
-        reason = "the PostgreSQL backend (run with DATABASE_URL set, as pass 2 of make test does)"
-        if IN_CI:
-            pytest.fail(reason + " (CI must run it)")
-        pytest.skip(reason)
+    require_postgresql()
     pool = connection.pool
     assert pool is not None, "scaled mode uses Django's connection pool"
     return pool
@@ -272,41 +269,11 @@ def _ids() -> list[int]:
         return [row[0] for row in cursor.fetchall()]
 
 
-class _Exchanges:
-    """How many times the client got an answer from the server on `conn` after waiting for
-    it: its round trips (a pipeline's writes, which wait for nothing, do not count)."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.count = conn, 0
-        self.real = conn.wait
-
-    def __enter__(self) -> _Exchanges:
-        def wait(gen: Any, *args: Any, **kwargs: Any) -> Any:
-            return self.real(self._counted(gen), *args, **kwargs)
-
-        self.conn.wait = wait
-        return self
-
-    def _counted(self, gen: Any) -> Any:
-        sent = None
-        try:
-            while True:
-                ready = gen.send(sent)
-                sent = yield ready
-                if sent & psycopg.waiting.Ready.R:  # the server's answer came in
-                    self.count += 1
-        except StopIteration as stop:
-            return stop.value
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.conn.wait
-
-
 def test_a_transaction_sends_its_begin_with_its_first_statement(table: str) -> None:
     # covers: G6 (round trips: a transaction of one statement costs that statement and its
     # COMMIT, not a BEGIN of its own as well)
     connection.ensure_connection()
-    with _Exchanges(connection.connection) as exchanges:
+    with Exchanges(connection.connection) as exchanges:
         with transaction.atomic():
             with connection.cursor() as cursor:
                 cursor.execute("SELECT note FROM begin_probe WHERE id = 1 FOR UPDATE")
@@ -414,7 +381,7 @@ def test_a_held_write_goes_with_the_commit(table: str) -> None:
     # covers: G6 (a turn's commit: the lock, then its writes with the COMMIT, two round trips)
     connection.ensure_connection()
     with CaptureQueriesContext(connection) as logged:
-        with _Exchanges(connection.connection) as exchanges:
+        with Exchanges(connection.connection) as exchanges:
             with transaction.atomic():
                 with connection.cursor() as cursor:
                     _locked_then_held(cursor, 11, "with the commit")
@@ -427,7 +394,7 @@ def test_a_held_write_goes_with_the_commit(table: str) -> None:
 def test_a_held_write_goes_with_the_next_statement_which_sees_it(table: str) -> None:
     # covers: G6
     connection.ensure_connection()
-    with _Exchanges(connection.connection) as exchanges:
+    with Exchanges(connection.connection) as exchanges:
         with transaction.atomic():
             with connection.cursor() as cursor:
                 _locked_then_held(cursor, 12, "held")
@@ -517,7 +484,7 @@ def test_statements_pipelined_together_cost_one_round_trip_and_run_in_order(
     holder.start()
     try:
         assert locked.wait(10)
-        with _Exchanges(connection.connection) as exchanges:
+        with Exchanges(connection.connection) as exchanges:
             with transaction.atomic():
                 with connection.cursor() as locking, connection.cursor() as counting:
                     with rows.pipelined():
@@ -549,7 +516,7 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
         owner=user, channel="web", chat_id=session.chat_id, content="hello", sender_id="s"
     )
     connection.ensure_connection()
-    with _Exchanges(connection.connection) as exchanges:
+    with Exchanges(connection.connection) as exchanges:
         ack, started = queue.admit_and_start(
             inbound, session, cfg=settings.CHAT, states=SessionStates(), start_as="worker"
         )
@@ -564,7 +531,7 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
     # Its lease is given up only once nothing is queued or running: the lock and the
     # conditional update in one round trip, then the COMMIT.
     Turn.objects.filter(pk=stored.pk).update(status=TurnStatus.COMPLETED)
-    with _Exchanges(connection.connection) as exchanges:
+    with Exchanges(connection.connection) as exchanges:
         assert queue.release_if_idle(started.lease)
     assert exchanges.count == 2
     assert Session.objects.get(pk=session.pk).lease_owner == ""

@@ -30,12 +30,13 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import connection
 
-from chatcore.common import events, publish
+from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import storage
 from sessions_app.models import Session, TurnStatus
 
 from . import control, limits, queue, snapshots
+from .admissions import AdmissionBatches
 from .delivery import DeliveryCoordinator
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
 from .layerwatch import LayerWatch
@@ -107,6 +108,17 @@ class Engine:
         # of many turns go to the database threads a batch per trip (`dbthreads.Lane`); on
         # PostgreSQL each has its own trip, and those of different dialogs run side by side.
         self.writes = Lane("writes") if connection.vendor == "sqlite" else None
+        # G6: there, sends that come faster than their admissions finish are admitted
+        # together, a transaction per batch (`admissions`).
+        self.admissions = (
+            AdmissionBatches(
+                self.cfg,
+                alone_limit=max(1, dbthreads.thread_count() // 3),
+                spawn=self.supervisor.spawn,
+            )
+            if self.writes is None
+            else None
+        )
         self.workers = Workers(
             process_id=self.process_id,
             cfg=self.cfg,
@@ -222,11 +234,30 @@ class Engine:
                 on_started=build_beside if ahead is not None else None,
             )
 
-        try:
+        async def alone() -> tuple[Ack, queue.Started | None]:
             # A4: retries of the write wait on the loop, not on the database thread.
-            ack, started = await storage.astorage_retry(
+            return await storage.astorage_retry(
                 admit, what="admit", session=session, lane=self.writes
             )
+
+        try:
+            if (
+                self.admissions is not None
+                and start_as is not None
+                and held is None
+                and inbound.accept is None
+                and inbound.mode in ("send", "steer")
+            ):
+                admission = queue.Admission(
+                    inbound,
+                    session,
+                    start_as,
+                    before_commit=charged.wait if charged is not None else None,
+                    on_started=build_beside if ahead is not None else None,
+                )
+                ack, started = await self.admissions.admit(admission, alone)
+            else:
+                ack, started = await alone()
         except BaseException:
             if ahead is not None:
                 ahead.discard()

@@ -8,15 +8,16 @@ carry its lease and check its epoch in the same transaction (G2, `lease.Lease.ch
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth.models import User
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
@@ -69,6 +70,8 @@ _STAGED = StagedInput._meta.db_table
 _SESSIONS = Session._meta.db_table
 _USERS = User._meta.db_table
 _USER_PK = User._meta.pk.column
+# A live dialog's row by id, aliased `s`.
+_LIVE = f'"{_SESSIONS}" s WHERE s."id" = %s AND s."deleted_at" IS NULL'
 
 
 @dataclass
@@ -106,6 +109,41 @@ def lock_for_admission(
     `slot`: the dialog's channel and chat id and the send's received time, for a send that
     may start its turn: F7's counts for that turn are read in the same statement as the
     queue's (`QueueState.slot`), so the start needs no statement of its own for them."""
+    counts, count_params = _count_columns(session_pk, owner_id, slot)
+    with rows.cursor() as cursor:
+        if connection.features.has_select_for_update:
+            # Both rows, the dialog's first (the order every claim takes them in).
+            with rows.cursor() as counting:
+                with rows.pipelined():
+                    cursor.execute(
+                        f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u,'  # noqa: S608
+                        f' {_LIVE} AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
+                        [session_pk, owner_id],
+                    )
+                    # In the same round trip, run once the lock is held (each statement its
+                    # own snapshot): no row when the dialog is gone.
+                    sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
+                    counting.execute(sql, [*count_params, session_pk])
+                found = cursor.fetchone()
+                if found is not None:
+                    row = (*found, *counting.fetchone())
+        else:
+            cursor.execute(
+                f"SELECT {rows.columns(Session, 's')}, {counts} FROM {_LIVE}",  # noqa: S608
+                [*count_params, session_pk],
+            )
+            found = row = cursor.fetchone()
+    if found is None:
+        raise NotFound(_("Dialog not found."))
+    width = len(Session._meta.concrete_fields)
+    return rows.from_row(Session, row), _queue_state(row[width:])
+
+
+def _count_columns(
+    session_pk: str, owner_id: int, slot: tuple[str, str, Any] | None
+) -> tuple[str, list[Any]]:
+    """The columns of a dialog's queue counts (and F7's, `slot`), on its row aliased `s`
+    (`lock_for_admission`)."""
     counts = (
         f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
         ' AND t."status" = %s) AS "q_queued",'
@@ -115,7 +153,7 @@ def lock_for_admission(
         ' AND i."status" = %s) AS "q_staged",'
         f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."status" = %s) AS "q_all"'
     )
-    count_params = [
+    params: list[Any] = [
         TurnStatus.QUEUED,
         TurnStatus.RUNNING,
         StagedInput.Status.STAGED,
@@ -123,7 +161,7 @@ def lock_for_admission(
     ]
     if slot is not None:
         channel, chat_id, received_at = slot
-        columns, params = limits.slot_columns(
+        columns, slot_params = limits.slot_columns(
             owner_id=owner_id,
             channel=channel,
             chat_id=chat_id,
@@ -131,43 +169,20 @@ def lock_for_admission(
             received_at=received_at,
         )
         counts = f"{counts}, {columns}"
-        count_params = [*count_params, *params]
-    live = f'"{_SESSIONS}" s WHERE s."id" = %s AND s."deleted_at" IS NULL'
-    with rows.cursor() as cursor:
-        if connection.features.has_select_for_update:
-            # Both rows, the dialog's first (the order every claim takes them in).
-            with rows.cursor() as counting:
-                with rows.pipelined():
-                    cursor.execute(
-                        f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u,'  # noqa: S608
-                        f' {live} AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
-                        [session_pk, owner_id],
-                    )
-                    # In the same round trip, run once the lock is held (each statement its
-                    # own snapshot): no row when the dialog is gone.
-                    sql = f"SELECT {counts} FROM {live}"  # noqa: S608 (our own tables)
-                    counting.execute(sql, [*count_params, session_pk])
-                found = cursor.fetchone()
-                if found is not None:
-                    row = (*found, *counting.fetchone())
-        else:
-            cursor.execute(
-                f"SELECT {rows.columns(Session, 's')}, {counts} FROM {live}",  # noqa: S608
-                [*count_params, session_pk],
-            )
-            found = row = cursor.fetchone()
-    if found is None:
-        raise NotFound(_("Dialog not found."))
-    width = len(Session._meta.concrete_fields)
-    queued, running, staged, queued_everywhere, *slot_counts = row[width:]
-    state = QueueState(
+        params += slot_params
+    return counts, params
+
+
+def _queue_state(counts: Sequence[Any]) -> QueueState:
+    """A `QueueState` from `_count_columns`' values."""
+    queued, running, staged, queued_everywhere, *slot_counts = counts
+    return QueueState(
         queued=int(queued),
         running=int(running),
         staged=bool(staged),
         queued_everywhere=int(queued_everywhere),
         slot=(int(slot_counts[0] or 0), int(slot_counts[1] or 0)) if slot_counts else None,
     )
-    return rows.from_row(Session, row), state
 
 
 def enqueue_locked(
@@ -369,6 +384,156 @@ def admit_and_start(
     if appended is not None:
         states.apply_appended(appended)
     return ack, started
+
+
+@dataclass
+class Admission:
+    """One send of a batch admitted together (`admit_and_start_many`): a send or steer that
+    may start its turn under a new lease for `start_as` (no lingering worker's lease, no
+    chat app's `accept`). `before_commit` and `on_started` as for `admit_and_start`."""
+
+    inbound: Inbound
+    session: Session
+    start_as: str
+    before_commit: Callable[[], None] | None = None
+    on_started: Callable[[Started], None] | None = None
+
+
+# `admit_and_start_many`: this send is admitted on its own (`admit_and_start`) after the batch.
+ALONE = object()
+
+AdmissionOutcome = tuple[Ack, Started] | BaseException | object
+
+
+def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list[AdmissionOutcome]:
+    """`admit_and_start` for many sends to idle dialogs at once, on PostgreSQL, in one
+    transaction (G6: a burst's admissions cost a few transactions, not one each). The
+    batch's dialogs and its senders are distinct (one send of each per batch, the caller's
+    rule).
+
+    One round trip locks the dialogs' rows in id order, then the senders' rows in id order,
+    and reads every dialog's queue and F7 counts after those locks. Dialogs before owners,
+    each kind in id order, is the order every transaction takes them in (a claim or a single
+    admission: its dialog, then its owner; a lease renewal: dialogs only), so batches of
+    several processes never wait on each other in a circle. Then every started turn's
+    writes go as one statement with the COMMIT (`rows.merged`).
+
+    A send that does not start there and then (a dialog busy or gone, a lease live
+    elsewhere, inputs staged, no free slot, a full queue) is left alone (`ALONE`): the
+    caller admits it on its own after this transaction, which refuses or queues it exactly
+    as for any send. A refused send-rate charge is that send's error, and the others go on;
+    an error of the transaction itself leaves every send to go alone (with its retries)."""
+    outcomes: list[AdmissionOutcome] = [ALONE] * len(batch)
+
+    def write() -> list[tuple[int, Ack, Started]]:
+        done: list[tuple[int, Ack, Started]] = []
+        with transaction.atomic():
+            confirmed = time.monotonic()
+            found = _lock_many(batch)
+            for i, admission in enumerate(batch):
+                # Its writes one statement (`rows.merged`), held to go with the COMMIT.
+                started = _start_one(admission, found, i, outcomes, cfg=cfg, confirmed=confirmed)
+                if started is not None:
+                    ack = Ack(
+                        started.session,
+                        str(started.turn.pk),
+                        0,
+                        "send",
+                        admission.inbound.client_msg_id,
+                    )
+                    done.append((i, ack, started))
+            for i, _ack, started in done:
+                if batch[i].on_started is not None:
+                    batch[i].on_started(started)  # type: ignore[misc]
+        return done
+
+    try:
+        done = write()
+    except DatabaseError as exc:
+        # Rolled back: nothing of it stays, and each send is admitted on its own.
+        logger.warning("a batch of %d admissions failed; each goes alone: %s", len(batch), exc)
+        return outcomes
+    for i, ack, started in done:
+        outcomes[i] = (ack, started)
+    return outcomes
+
+
+def _start_one(
+    admission: Admission,
+    found: dict[str, tuple[Session, QueueState]],
+    i: int,
+    outcomes: list[AdmissionOutcome],
+    *,
+    cfg: dict[str, Any],
+    confirmed: float,
+) -> Started | None:
+    """`admit_and_start_many`'s start of one send on its locked row, or None (`outcomes[i]`
+    says why: its refused charge, or `ALONE`)."""
+    got = found.get(str(admission.session.pk))
+    if got is None:
+        return None  # gone: refused on its own (NotFound)
+    live, state = got
+    if state.busy or state.staged:
+        return None
+    if admission.before_commit is not None:
+        try:
+            # Before its writes (a refusal leaves nothing of it behind); sent beside the
+            # batch's wait for its trip, so it is back by now.
+            admission.before_commit()
+        except Exception as exc:  # noqa: BLE001 (the send's own refusal or error)
+            outcomes[i] = exc
+            return None
+    try:
+        return _start_locked(
+            admission.inbound,
+            live,
+            state,
+            owner=admission.start_as,
+            cfg=cfg,
+            confirmed=confirmed,
+        )
+    except (QueueFull, Overloaded):
+        return None  # refused on its own, as any send
+
+
+def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
+    """`lock_for_admission` for a batch (`admit_and_start_many`): the live dialogs' rows and
+    counts, by id; a dialog gone has none. Every statement has the same text whatever the
+    batch's size (the counts are one statement per dialog, those of `lock_for_admission`),
+    so the server plans each once per connection, not per batch (`rows.cursor`)."""
+    ids = sorted({str(a.session.pk) for a in batch})
+    owners = sorted({a.inbound.owner.pk for a in batch})
+    with contextlib.ExitStack() as cursors:
+        locking = cursors.enter_context(rows.cursor())
+        owning = cursors.enter_context(rows.cursor())
+        counting = [cursors.enter_context(rows.cursor()) for _a in batch]
+        with rows.pipelined():
+            locking.execute(
+                f'SELECT {rows.columns(Session, "s")} FROM "{_SESSIONS}" s'  # noqa: S608
+                ' WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE',
+                [ids],
+            )
+            owning.execute(
+                f'SELECT u."{_USER_PK}" FROM "{_USERS}" u'  # noqa: S608
+                f' WHERE u."{_USER_PK}" = ANY(%s) ORDER BY u."{_USER_PK}" FOR UPDATE',
+                [owners],
+            )
+            # Run once both locks are held, each on a snapshot of its own.
+            for cursor, admission in zip(counting, batch, strict=True):
+                session, inbound = admission.session, admission.inbound
+                slot = (session.channel, session.chat_id, inbound.received_at)
+                counts, params = _count_columns(session.pk, inbound.owner.pk, slot)
+                sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
+                cursor.execute(sql, [*params, session.pk])
+        locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
+        owning.fetchall()
+        found = {}
+        for cursor, admission in zip(counting, batch, strict=True):
+            counted = cursor.fetchone()
+            live = locked.get(admission.session.pk)
+            if counted is not None and live is not None:
+                found[live.pk] = (live, _queue_state(counted))
+    return found
 
 
 # The dialog row's fields a started turn changes besides the append's own (`_start_locked`).

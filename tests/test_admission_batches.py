@@ -1,0 +1,261 @@
+"""Sends that come while other admissions are under way are admitted together, one
+transaction per batch, on PostgreSQL (SPEC G6, C1, C2, C3, F7; `chatcore.engine.admissions`).
+
+Whatever a batch does not start there and then (a busy or deleted dialog, a refused charge, a
+failed transaction) is admitted on its own, exactly as any send."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import OperationalError, connection
+from django.utils import timezone
+
+from chatcore.common.errors import NotFound, RateLimited
+from chatcore.engine import queue
+from chatcore.engine.ingress import Inbound
+from chatcore.engine.sessions import SessionStates
+from sessions_app import services
+from sessions_app.models import Message, Session, Turn, TurnStatus
+from tests.conftest import require_postgresql
+from tests.engine_helpers import (
+    Exchanges,
+    history,
+    make_dialog,
+    send,
+    unwrap_engine_statements,
+    wrap_engine_statements,
+)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
+
+# The batch's lock of its dialogs' rows (`queue._lock_many`), as its statement reads.
+BATCH_LOCK = 'WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE'
+# A single admission's lock of its dialog's and its sender's rows (`queue.lock_for_admission`).
+SINGLE_LOCK = "FOR UPDATE OF s, u"
+
+
+@pytest.fixture(autouse=True)
+def _postgresql() -> None:
+    require_postgresql()
+
+
+def _dialogs(make_user: Any, count: int) -> list[Session]:
+    out = []
+    for _ in range(count):
+        owner = make_user()
+        out.append(services.session_create(owner=owner, channel="web", chat_id=f"u{owner.pk}"))
+    return out
+
+
+def _admission(session: Session, content: str, **kw: Any) -> queue.Admission:
+    inbound = Inbound(
+        owner=session.owner,
+        channel="web",
+        chat_id=session.chat_id,
+        content=content,
+        sender_id=str(session.owner_id),
+    )
+    return queue.Admission(inbound, session, "this-process", **kw)
+
+
+def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
+    make_user: Any,
+) -> None:
+    # covers: G6, C1, C3, G2 (every dialog's and sender's rows locked and counted in one
+    # round trip, every turn, user message and lease written with the one COMMIT)
+    dialogs = _dialogs(make_user, 5)
+    started_seen: list[str] = []
+    batch = [
+        _admission(s, f"hello {i}", on_started=lambda st: started_seen.append(str(st.turn.pk)))
+        for i, s in enumerate(dialogs)
+    ]
+    connection.ensure_connection()
+    with Exchanges(connection.connection) as exchanges:
+        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT)
+    assert exchanges.count == 2
+    for i, (session, outcome) in enumerate(zip(dialogs, outcomes, strict=True)):
+        assert isinstance(outcome, tuple), outcome
+        ack, started = outcome
+        assert ack.position == 0 and ack.turn_id == str(started.turn.pk)
+        turn = Turn.objects.get(pk=ack.turn_id)
+        assert (turn.status, turn.session_id, turn.content) == (
+            TurnStatus.RUNNING,
+            session.pk,
+            f"hello {i}",
+        )
+        users = Message.objects.filter(session_id=session.pk, role="user")
+        assert [(m.content, m.turn_id) for m in users] == [(f"hello {i}", turn.pk)]
+        live = Session.objects.get(pk=session.pk)
+        assert (live.lease_owner, live.lease_epoch) == ("this-process", started.lease.epoch)
+        assert live.state_version == started.session.state_version
+    assert sorted(started_seen) == sorted(str(o[1].turn.pk) for o in outcomes)  # type: ignore[index]
+
+
+def test_a_batch_leaves_a_busy_dialog_and_a_deleted_one_to_their_own_admissions(
+    make_user: Any,
+) -> None:
+    # covers: C1, C2 (a busy dialog's send queues behind its running turn; a deleted dialog's
+    # is refused; neither is written by the batch, and the others start)
+    idle, busy, gone = _dialogs(make_user, 3)
+    first = queue.admit_and_start_many([_admission(busy, "running")], cfg=settings.CHAT)[0]
+    assert isinstance(first, tuple)
+    Session.objects.filter(pk=gone.pk).update(deleted_at=timezone.now())
+
+    outcomes = queue.admit_and_start_many(
+        [_admission(idle, "hi"), _admission(busy, "next"), _admission(gone, "lost")],
+        cfg=settings.CHAT,
+    )
+    assert isinstance(outcomes[0], tuple)
+    assert outcomes[1] is queue.ALONE and outcomes[2] is queue.ALONE
+    assert list(Turn.objects.filter(session_id=busy.pk).values_list("content", flat=True)) == [
+        "running"
+    ]
+    assert not Turn.objects.filter(session_id=gone.pk).exists()
+
+    # On their own, exactly as any send: queued behind the running turn; refused.
+    ack, started = queue.admit_and_start(
+        _admission(busy, "next").inbound,
+        busy,
+        cfg=settings.CHAT,
+        states=SessionStates(),
+        start_as="this-process",
+    )
+    assert started is None and ack.position == 1
+    with pytest.raises(NotFound):
+        queue.admit_and_start(
+            _admission(gone, "lost").inbound,
+            gone,
+            cfg=settings.CHAT,
+            states=SessionStates(),
+            start_as="this-process",
+        )
+
+
+def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(make_user: Any) -> None:
+    # covers: F7 (the send rate), C2 (a refused send changes nothing)
+    first, refused, last = _dialogs(make_user, 3)
+
+    def over_budget() -> None:
+        raise RateLimited(retry_after=30)
+
+    outcomes = queue.admit_and_start_many(
+        [
+            _admission(first, "one"),
+            _admission(refused, "two", before_commit=over_budget),
+            _admission(last, "three"),
+        ],
+        cfg=settings.CHAT,
+    )
+    assert isinstance(outcomes[0], tuple) and isinstance(outcomes[2], tuple)
+    assert isinstance(outcomes[1], RateLimited)
+    assert not Turn.objects.filter(session_id=refused.pk).exists()
+    assert not Message.objects.filter(session_id=refused.pk, role="user").exists()
+    assert Session.objects.get(pk=refused.pk).lease_owner == ""
+    assert Turn.objects.filter(session_id__in=[first.pk, last.pk]).count() == 2
+
+
+def test_a_batch_whose_writes_fail_leaves_nothing_and_each_send_goes_alone(
+    make_user: Any,
+) -> None:
+    # covers: A4, C2 (the batch's transaction rolls back whole; no send is lost: each is
+    # admitted on its own, with its own retries)
+    dialogs = _dialogs(make_user, 3)
+    writes = []
+
+    def fail_the_second(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith("WITH ") and "INSERT" in sql:
+            writes.append(sql)
+            if len(writes) == 2:
+                raise OperationalError("the server went away mid-batch")
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(fail_the_second):
+        outcomes = queue.admit_and_start_many(
+            [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)], cfg=settings.CHAT
+        )
+    assert outcomes == [queue.ALONE] * 3
+    for session in dialogs:
+        assert not Turn.objects.filter(session_id=session.pk).exists()
+        assert not Message.objects.filter(session_id=session.pk, role="user").exists()
+        assert Session.objects.get(pk=session.pk).lease_owner == ""
+
+
+async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and_all_answer(
+    make_engine: Any, make_user: Any, fake_model: Any
+) -> None:
+    # covers: G6, C1, C3 (six sends to idle dialogs admitted in one batch; a second send to one
+    # of them in the same burst queues behind its first, in order; every answer arrives)
+    engine = await make_engine(name="batched")
+    assert engine.admissions is not None
+    engine.admissions.alone_limit = 1
+    dialogs = [await make_dialog(await sync_to_async(make_user)()) for _ in range(7)]
+    held, holding = threading.Event(), threading.Event()
+    locks: list[str] = []
+
+    def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if BATCH_LOCK in sql:
+            locks.append("batch")
+        elif SINGLE_LOCK in sql:
+            locks.append("single")
+            if not holding.is_set():
+                holding.set()
+                held.wait(10)
+        return execute(sql, params, many, context)
+
+    await wrap_engine_statements(hold_the_first)
+    try:
+        first = asyncio.create_task(send(engine, dialogs[0], "first"))
+        assert await asyncio.to_thread(holding.wait, 10)
+        burst = [
+            asyncio.create_task(send(engine, session, f"hello {i}"))
+            for i, session in enumerate(dialogs[1:], start=1)
+        ]
+        again = asyncio.create_task(send(engine, dialogs[1], "again"))
+        deadline = time.monotonic() + 10
+        while len(engine.admissions._waiting) < 7:
+            assert time.monotonic() < deadline, "the burst's sends did not wait for a batch"
+            await asyncio.sleep(0.01)
+        held.set()
+        acks = await asyncio.gather(first, *burst)
+        again_ack = await again
+    finally:
+        held.set()
+        await unwrap_engine_statements(hold_the_first)
+
+    assert [ack.position for ack in acks] == [0] * 7
+    assert again_ack.position == 1
+    # The first alone; the six together; the second send to dialogs[1] in a batch of its own,
+    # which left it (a busy dialog) to its own admission.
+    assert locks == ["single", "batch", "batch", "single"]
+
+    async def answered(session: Session, count: int) -> list[tuple[str, str]]:
+        deadline = time.monotonic() + 15
+        while True:
+            got = [(m.role, m.content) for m in await history(session) if m.role != "system"]
+            done = [m for m in got if m[0] == "assistant"]
+            if len(done) >= count or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(0.05)
+
+    assert (await answered(dialogs[0], 1))[-2:] == [
+        ("user", "first"),
+        ("assistant", "echo: first"),
+    ]
+    assert (await answered(dialogs[1], 2))[-4:] == [
+        ("user", "hello 1"),
+        ("assistant", "echo: hello 1"),
+        ("user", "again"),
+        ("assistant", "echo: again"),
+    ]
+    for i, session in enumerate(dialogs[2:], start=2):
+        assert (await answered(session, 1))[-2:] == [
+            ("user", f"hello {i}"),
+            ("assistant", f"echo: hello {i}"),
+        ]

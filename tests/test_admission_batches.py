@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import OperationalError, connection
+from django.contrib.auth import get_user_model
+from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
 from chatcore.common.errors import NotFound, RateLimited
@@ -32,11 +33,13 @@ from tests.engine_helpers import (
     unwrap_engine_statements,
     wrap_engine_statements,
 )
+from tests.fakemodel import Reply, echo_reply, strip_runtime
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
 
 # The batch's lock of its dialogs' rows (`queue._lock_many`), as its statement reads.
-BATCH_LOCK = 'WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE'
+BATCH_LOCK = 'WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE SKIP'
+
 # A single admission's lock of its dialog's and its sender's rows (`queue.lock_for_admission`).
 SINGLE_LOCK = "FOR UPDATE OF s, u"
 
@@ -138,6 +141,44 @@ def test_a_batch_leaves_a_busy_dialog_and_a_deleted_one_to_their_own_admissions(
         )
 
 
+def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_other(
+    make_user: Any,
+) -> None:
+    # covers: G6, F7 (a batch waits for no lock: a dialog's row or a sender's row held by
+    # another transaction leaves that send to its own admission, which waits there; the rest
+    # of the batch starts meanwhile)
+    first, dialog_held, sender_held, last = _dialogs(make_user, 4)
+    locked, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        try:
+            with transaction.atomic():
+                Session.objects.select_for_update().get(pk=dialog_held.pk)
+                get_user_model().objects.select_for_update().get(pk=sender_held.owner_id)
+                locked.set()
+                release.wait(10)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        outcomes = queue.admit_and_start_many(
+            [
+                _admission(s, f"hello {i}")
+                for i, s in enumerate([first, dialog_held, sender_held, last])
+            ],
+            cfg=settings.CHAT,
+        )
+    finally:
+        release.set()
+        holder.join()
+    assert isinstance(outcomes[0], tuple) and isinstance(outcomes[3], tuple)
+    assert outcomes[1] is queue.ALONE and outcomes[2] is queue.ALONE
+    assert not Turn.objects.filter(session_id__in=[dialog_held.pk, sender_held.pk]).exists()
+
+
 def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(make_user: Any) -> None:
     # covers: F7 (the send rate), C2 (a refused send changes nothing)
     first, refused, last = _dialogs(make_user, 3)
@@ -198,6 +239,15 @@ async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and
     dialogs = [await make_dialog(await sync_to_async(make_user)()) for _ in range(7)]
     held, holding = threading.Event(), threading.Event()
     locks: list[str] = []
+    # The first answer in dialogs[1] waits, so its second send finds the turn running.
+    answering = threading.Event()
+
+    def reply(request: dict[str, Any]) -> Reply:
+        if strip_runtime(request["messages"][-1]["content"]) == "hello 1":
+            return Reply(text="echo: hello 1", gate=answering)
+        return echo_reply(request)
+
+    fake_model.default = reply
 
     def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         if BATCH_LOCK in sql:
@@ -227,6 +277,7 @@ async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and
         again_ack = await again
     finally:
         held.set()
+        answering.set()
         await unwrap_engine_statements(hold_the_first)
 
     assert [ack.position for ack in acks] == [0] * 7

@@ -411,15 +411,18 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
     batch's dialogs and its senders are distinct (one send of each per batch, the caller's
     rule).
 
-    One round trip locks the dialogs' rows in id order, then the senders' rows in id order,
-    and reads every dialog's queue and F7 counts after those locks. Dialogs before owners,
-    each kind in id order, is the order every transaction takes them in (a claim or a single
-    admission: its dialog, then its owner; a lease renewal: dialogs only), so batches of
-    several processes never wait on each other in a circle. Then every started turn's
-    writes go as one statement with the COMMIT (`rows.merged`).
+    One round trip locks the dialogs' rows, then the senders' rows, skipping any row another
+    transaction holds, and reads every dialog's queue and F7 counts after those locks. A
+    batch never waits for a lock, so it is never part of a circle of transactions waiting
+    on each other (a lease renewal locks many dialogs in the order it finds them, another
+    process's batch locks its own), and one contended row holds up no other send of the
+    batch: the send whose dialog or sender was skipped goes alone, and waits there. Then
+    each started turn's writes are its one statement (`rows.merged`), all held to go with
+    the COMMIT.
 
-    A send that does not start there and then (a dialog busy or gone, a lease live
-    elsewhere, inputs staged, no free slot, a full queue) is left alone (`ALONE`): the
+    A send that does not start there and then (its row held elsewhere, a dialog busy or
+    gone, a lease live elsewhere, inputs staged, no free slot, a full queue) is left alone
+    (`ALONE`): the
     caller admits it on its own after this transaction, which refuses or queues it exactly
     as for any send. A refused send-rate charge is that send's error, and the others go on;
     an error of the transaction itself leaves every send to go alone (with its retries)."""
@@ -498,7 +501,9 @@ def _start_one(
 
 def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
     """`lock_for_admission` for a batch (`admit_and_start_many`): the live dialogs' rows and
-    counts, by id; a dialog gone has none. Every statement has the same text whatever the
+    counts, by id, of the sends whose dialog and sender rows it locked; a dialog gone, or one
+    whose row or sender's row another transaction holds, has none (SKIP LOCKED; in id order,
+    as `lease.check_all` locks). Every statement has the same text whatever the
     batch's size (the counts are one statement per dialog, those of `lock_for_admission`),
     so the server plans each once per connection, not per batch (`rows.cursor`)."""
     ids = sorted({str(a.session.pk) for a in batch})
@@ -510,12 +515,14 @@ def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
         with rows.pipelined():
             locking.execute(
                 f'SELECT {rows.columns(Session, "s")} FROM "{_SESSIONS}" s'  # noqa: S608
-                ' WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE',
+                ' WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id"'
+                " FOR UPDATE SKIP LOCKED",
                 [ids],
             )
             owning.execute(
                 f'SELECT u."{_USER_PK}" FROM "{_USERS}" u'  # noqa: S608
-                f' WHERE u."{_USER_PK}" = ANY(%s) ORDER BY u."{_USER_PK}" FOR UPDATE',
+                f' WHERE u."{_USER_PK}" = ANY(%s) ORDER BY u."{_USER_PK}"'
+                " FOR UPDATE SKIP LOCKED",
                 [owners],
             )
             # Run once both locks are held, each on a snapshot of its own.
@@ -526,12 +533,16 @@ def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
                 sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                 cursor.execute(sql, [*params, session.pk])
         locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
-        owning.fetchall()
+        owners_locked = {row[0] for row in owning.fetchall()}
         found = {}
         for cursor, admission in zip(counting, batch, strict=True):
             counted = cursor.fetchone()
             live = locked.get(admission.session.pk)
-            if counted is not None and live is not None:
+            if (
+                counted is not None
+                and live is not None
+                and admission.inbound.owner.pk in owners_locked
+            ):
                 found[live.pk] = (live, _queue_state(counted))
     return found
 

@@ -435,8 +435,10 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
             found = _lock_many(batch)
             for i, admission in enumerate(batch):
                 # Its writes one statement (`rows.merged`), held to go with the COMMIT.
-                started = _start_one(admission, found, i, outcomes, cfg=cfg, confirmed=confirmed)
-                if started is not None:
+                started = _start_one(admission, found, cfg=cfg, confirmed=confirmed)
+                if isinstance(started, Exception):
+                    outcomes[i] = started
+                elif started is not None:
                     ack = Ack(
                         started.session,
                         str(started.turn.pk),
@@ -464,14 +466,12 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
 def _start_one(
     admission: Admission,
     found: dict[str, tuple[Session, QueueState]],
-    i: int,
-    outcomes: list[AdmissionOutcome],
     *,
     cfg: dict[str, Any],
     confirmed: float,
-) -> Started | None:
-    """`admit_and_start_many`'s start of one send on its locked row, or None (`outcomes[i]`
-    says why: its refused charge, or `ALONE`)."""
+) -> Started | Exception | None:
+    """`admit_and_start_many`'s start of one send on its locked row: the started turn, the
+    send's refused charge, or None (it goes alone)."""
     got = found.get(str(admission.session.pk))
     if got is None:
         return None  # gone: refused on its own (NotFound)
@@ -484,8 +484,7 @@ def _start_one(
             # batch's wait for its trip, so it is back by now.
             admission.before_commit()
         except Exception as exc:  # noqa: BLE001 (the send's own refusal or error)
-            outcomes[i] = exc
-            return None
+            return exc
     try:
         return _start_locked(
             admission.inbound,

@@ -223,14 +223,16 @@ class OpenAIProvider:
                         except ProviderError as exc:
                             error = exc
                             break
-                        if piece:
+                        if piece and first:
+                            # D1: the answer's first piece goes out alone, as soon as it is
+                            # parsed: not after the rest of its read (a model server that
+                            # sends its answer in one burst), and its first frame is its
+                            # first token.
+                            first = False
+                            text_parts.append(piece)
+                            yield TextDelta(piece)
+                        elif piece:
                             pieces.append(piece)
-                    if pieces and first:
-                        # D1: the answer's first piece goes out alone, before the rest of
-                        # its read reaches the snapshot (its first frame is its first token).
-                        first = False
-                        text_parts.append(pieces[0])
-                        yield TextDelta(pieces.pop(0))
                     if pieces:
                         text = pieces[0] if len(pieces) == 1 else "".join(pieces)
                         text_parts.append(text)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -214,51 +214,80 @@ def turn_context(
     - the owner's `notes_limit` newest memory notes, oldest first (C8).
 
     `ahead`: read before a message of that many characters is appended (a send's turn
-    context read while its admission runs, `TurnInputBuilder.read_ahead`): the window is the
-    one that message's append will give, and the dialog's `last_seq` and `state_version`
-    come along (`revision`), for the reader to check that nothing else changed meanwhile.
+    context, read by its admission with the dialog's row locked, `queue.lock_for_admission`):
+    the window is the one that message's append will give, and the dialog's `last_seq` and
+    `state_version` come along (`revision`), for the reader to check that nothing else
+    changed meanwhile."""
+    statement = TurnContextStatement(
+        session_pk=session_pk,
+        owner_id=owner_id,
+        max_chars=max_chars,
+        notes_limit=notes_limit,
+        ahead=ahead,
+    )
+    with sql_cursor() as cursor:
+        cursor.execute(statement.sql, statement.params)
+        return statement.result(cursor.fetchall())
+
+
+class TurnContextStatement:
+    """`turn_context`'s statement, for a caller that sends it with others in one round trip
+    (`queue.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
 
     The parts are told apart by the first column; all of them use the compaction's columns
     (the window's boundary in `through_seq`, a note in `summary` and `created_at`), so every
     column has the compaction's type. Written in SQL: it runs before every turn's first
     token (compiling the ORM's window expression cost more than the query)."""
-    compactions, messages = Compaction._meta.db_table, Message._meta.db_table
-    notes = MemoryNote._meta.db_table
-    names = [str(f.column) for f in Compaction._meta.concrete_fields]
 
-    def filled(**values: str) -> str:
-        return ", ".join(values.get(name, "NULL") for name in names)
+    def __init__(
+        self,
+        *,
+        session_pk: str,
+        owner_id: int,
+        max_chars: int,
+        notes_limit: int = 20,
+        ahead: int | None = None,
+    ) -> None:
+        compactions, messages = Compaction._meta.db_table, Message._meta.db_table
+        notes = MemoryNote._meta.db_table
+        names = [str(f.column) for f in Compaction._meta.concrete_fields]
 
-    sql = (
-        f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
-        f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
-        ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
-        f' UNION ALL SELECT 1, {filled(through_seq="v.seq")} FROM (SELECT w."seq" FROM'
-        ' (SELECT m."seq" AS "seq", SUM(LENGTH(m."content")) OVER (ORDER BY m."seq" DESC)'
-        f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
-        f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
-        ' WHERE k."session_id" = %s), 0)) w'
-        ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1) v'
-        f" UNION ALL SELECT 2, {filled(summary='n.content', created_at='n.created_at')} FROM"
-        f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
-        ' ORDER BY n."created_at" DESC LIMIT %s) n'
-    )
-    # The message to come counts first in the running sum (it is the newest).
-    limit = max_chars if ahead is None else max_chars - ahead
-    params: list[Any] = [session_pk, session_pk, session_pk, limit, owner_id, notes_limit]
-    if ahead is not None:
-        sql += (
-            f" UNION ALL SELECT 3, {filled(through_seq='r.last_seq', id='r.state_version')}"  # noqa: S608
-            f' FROM "{Session._meta.db_table}" r WHERE r."id" = %s'
+        def filled(**values: str) -> str:
+            return ", ".join(values.get(name, "NULL") for name in names)
+
+        sql = (
+            f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
+            f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
+            ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
+            f' UNION ALL SELECT 1, {filled(through_seq="v.seq")} FROM (SELECT w."seq" FROM'
+            ' (SELECT m."seq" AS "seq", SUM(LENGTH(m."content")) OVER (ORDER BY m."seq" DESC)'
+            f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
+            f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
+            ' WHERE k."session_id" = %s), 0)) w'
+            ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1) v'
+            f" UNION ALL SELECT 2, {filled(summary='n.content', created_at='n.created_at')} FROM"
+            f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
+            ' ORDER BY n."created_at" DESC LIMIT %s) n'
         )
-        params.append(session_pk)
-    seq_at, summary_at, created_at, id_at = (
-        1 + names.index(name) for name in ("through_seq", "summary", "created_at", "id")
-    )
-    compaction, boundary, revision, newest_first = None, None, None, []
-    with sql_cursor() as cursor:
-        cursor.execute(sql, params)
-        for row in cursor.fetchall():
+        # The message to come counts first in the running sum (it is the newest).
+        self.limit = max_chars if ahead is None else max_chars - ahead
+        params: list[Any] = [session_pk, session_pk, session_pk, self.limit, owner_id]
+        params.append(notes_limit)
+        if ahead is not None:
+            sql += (
+                f" UNION ALL SELECT 3, {filled(through_seq='r.last_seq', id='r.state_version')}"  # noqa: S608
+                f' FROM "{Session._meta.db_table}" r WHERE r."id" = %s'
+            )
+            params.append(session_pk)
+        self.sql, self.params = sql, params
+        self._at = tuple(
+            1 + names.index(name) for name in ("through_seq", "summary", "created_at", "id")
+        )
+
+    def result(self, rows: Iterable[Sequence[Any]]) -> TurnContext:
+        seq_at, summary_at, created_at, id_at = self._at
+        compaction, boundary, revision, newest_first = None, None, None, []
+        for row in rows:
             part = int(row[0])
             if part == 0:
                 compaction = from_row(Compaction, row[1:])
@@ -269,14 +298,14 @@ def turn_context(
             else:
                 # Their stored times order them (one database's values, compared as read).
                 newest_first.append((row[created_at], row[summary_at]))
-    after_seq = compaction.through_seq if compaction is not None else 0
-    window = after_seq if boundary is None else max(after_seq, boundary - 1)
-    if limit < 0 and revision is not None:
-        # The message to come crosses the limit by itself: the window holds only it.
-        window = max(after_seq, revision[0])
-    newest_first.sort(key=lambda note: note[0], reverse=True)
-    notes_oldest_first = [content for _at, content in reversed(newest_first)]
-    return TurnContext(compaction, window, notes_oldest_first, revision)
+        after_seq = compaction.through_seq if compaction is not None else 0
+        window = after_seq if boundary is None else max(after_seq, boundary - 1)
+        if self.limit < 0 and revision is not None:
+            # The message to come crosses the limit by itself: the window holds only it.
+            window = max(after_seq, revision[0])
+        newest_first.sort(key=lambda note: note[0], reverse=True)
+        notes_oldest_first = [content for _at, content in reversed(newest_first)]
+        return TurnContext(compaction, window, notes_oldest_first, revision)
 
 
 def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:

@@ -181,14 +181,12 @@ def _connection_lost() -> bool:
 
 
 def start_on_db(fn: Callable[[], T], *, first: bool = False) -> concurrent.futures.Future[T] | None:
-    """`fn` handed to a database thread now, not when the caller next awaits: for a read
-    meant to run beside a call the caller makes right after (a send's context beside its
-    admission), which would otherwise reach the threads first; `first`: ahead of the calls
-    still waiting (work of a turn already started, `DatabaseThreads.submit_first`). The
-    thread's own future: the loop waits on it through `asyncio.wrap_future`, and the call
-    made right after may wait on it from its database thread (it reached the threads first,
-    so it is under way or done by then, never queued behind the waiter). None for a
-    synchronous caller, whose calls run on its own thread one after another."""
+    """`fn` handed to a database thread now, not when the caller next awaits: for work
+    meant to run beside the call under way (a started turn's build while its admission
+    commits); `first`: ahead of the calls still waiting (work of a turn already started,
+    `DatabaseThreads.submit_first`). The thread's own future: the loop waits on it through
+    `asyncio.wrap_future`, or takes its result once done. None for a synchronous caller,
+    whose calls run on its own thread one after another."""
     if getattr(AsyncToSync.executors, "current", None) is not None:
         return None
     context = contextvars.copy_context()

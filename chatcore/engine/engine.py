@@ -47,7 +47,7 @@ from .sessions import SessionStates
 from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
 from .tools import ToolRegistry, registry_from_settings
-from .turns.builder import PreparedInput, ReadAhead, TurnInputBuilder
+from .turns.builder import WINDOW_CHARS_PER_TOKEN, PreparedInput, TurnInputBuilder
 from .worker import Workers
 
 __all__ = ["Ack", "Engine", "Inbound", "LocalTurn", "StopResult"]
@@ -200,11 +200,11 @@ class Engine:
         # otherwise the usual kick.
         start_as = None if self.workers.running(session.pk) else self.process_id
         held = self.workers.lingering_lease(session.pk)
-        # G6: a send that may start its turn has its context read beside its admission, where
-        # the admission is round trips to a database server (PostgreSQL); its build uses the
-        # read if the admitted row shows nothing else changed (`ReadAhead.valid_for`).
-        ahead = (
-            self.builder.read_ahead(session, len(inbound.content))
+        # G6: a send that may start its turn has its context read by its admission, in the
+        # round trip of its lock, where the admission is round trips to a database server
+        # (PostgreSQL); the started turn's input is built from it while the admission commits.
+        context_chars = (
+            self.builder.context_window * WINDOW_CHARS_PER_TOKEN
             if self.writes is None
             and inbound.mode in ("send", "steer")
             and (start_as is not None or held is not None)
@@ -212,15 +212,15 @@ class Engine:
         )
 
         def build_beside(started: queue.Started) -> None:
-            # G6: the turn's input is built from the read beside the admission, on another
-            # database thread from the moment the turn is decided, while the admission waits
-            # for its charge and its COMMIT's round trip: the worker's first step is the model
-            # request. Ahead of the admissions still waiting (a burst's first turns do not
-            # wait for its last admission).
-            assert ahead is not None
-            started.prepared = start_on_db(
-                functools.partial(self._prepare_beside, started, ahead), first=True
-            )
+            # G6: the turn's input is built from that context, on another database thread
+            # from the moment the turn is decided, while the admission waits for its charge
+            # and its COMMIT's round trip: the worker's first step is the model request.
+            # Ahead of the admissions still waiting (a burst's first turns do not wait for
+            # its last admission).
+            if started.context is not None:
+                started.prepared = start_on_db(
+                    functools.partial(self._prepare_beside, started), first=True
+                )
 
         def admit() -> tuple[Ack, queue.Started | None]:
             return queue.admit_and_start(
@@ -231,7 +231,8 @@ class Engine:
                 start_as=start_as,
                 held=held,
                 before_commit=charged.wait if charged is not None else None,
-                on_started=build_beside if ahead is not None else None,
+                on_started=build_beside if context_chars is not None else None,
+                context_chars=context_chars,
             )
 
         async def alone() -> tuple[Ack, queue.Started | None]:
@@ -240,33 +241,24 @@ class Engine:
                 admit, what="admit", session=session, lane=self.writes
             )
 
-        try:
-            if (
-                self.admissions is not None
-                and start_as is not None
-                and held is None
-                and inbound.accept is None
-                and inbound.mode in ("send", "steer")
-            ):
-                admission = queue.Admission(
-                    inbound,
-                    session,
-                    start_as,
-                    before_commit=charged.wait if charged is not None else None,
-                    on_started=build_beside if ahead is not None else None,
-                )
-                ack, started = await self.admissions.admit(admission, alone)
-            else:
-                ack, started = await alone()
-        except BaseException:
-            if ahead is not None:
-                ahead.discard()
-            raise
-        if ahead is not None:
-            if started is None:
-                ahead.discard()
-            else:
-                started.ahead = ahead
+        if (
+            self.admissions is not None
+            and start_as is not None
+            and held is None
+            and inbound.accept is None
+            and inbound.mode in ("send", "steer")
+        ):
+            admission = queue.Admission(
+                inbound,
+                session,
+                start_as,
+                before_commit=charged.wait if charged is not None else None,
+                on_started=build_beside if context_chars is not None else None,
+                context_chars=context_chars,
+            )
+            ack, started = await self.admissions.admit(admission, alone)
+        else:
+            ack, started = await alone()
         if started is not None and started.lease is held:
             await self.workers.hand_off(started)
         elif started is not None:
@@ -275,11 +267,11 @@ class Engine:
             await self.kick(session.pk)
         return ack
 
-    def _prepare_beside(self, started: queue.Started, ahead: ReadAhead) -> PreparedInput | None:
+    def _prepare_beside(self, started: queue.Started) -> PreparedInput | None:
         """On a database thread, while the admission commits: the started turn's input, or
         None for the worker to build (`prepare`)."""
         try:
-            return self.builder.prepare_beside(started.session, ahead, started.appended)
+            return self.builder.prepare_beside(started.session, started.context, started.appended)
         except Exception:
             logger.warning(
                 "could not build a turn's input beside its admission",

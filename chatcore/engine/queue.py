@@ -30,7 +30,7 @@ from chatcore.common.errors import (
     Overloaded,
     QueueFull,
 )
-from sessions_app import rows, services, storage, turn_services
+from sessions_app import rows, selectors, services, storage, turn_services
 from sessions_app.models import (
     Message,
     MessageKind,
@@ -47,7 +47,7 @@ from . import lease, limits
 from .ingress import Ack, Inbound
 from .lease import Lease, LeaseLost
 from .sessions import SessionStates
-from .turns.builder import CONTINUE_INSTRUCTION, PreparedInput, ReadAhead
+from .turns.builder import CONTINUE_INSTRUCTION, PreparedInput
 from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
 
@@ -84,6 +84,8 @@ class QueueState:
     queued_everywhere: int  # queued turns of every dialog (C2's global bound)
     # F7's counts for a turn the send would start (`limits.slot_columns`), when asked for.
     slot: tuple[int, int] | None = None
+    # The turn's context (`selectors.turn_context`), read after the lock, when asked for.
+    context: selectors.TurnContext | None = None
 
     @property
     def busy(self) -> bool:
@@ -91,7 +93,11 @@ class QueueState:
 
 
 def lock_for_admission(
-    session_pk: str, owner_id: int, *, slot: tuple[str, str, Any] | None = None
+    session_pk: str,
+    owner_id: int,
+    *,
+    slot: tuple[str, str, Any] | None = None,
+    context: selectors.TurnContextStatement | None = None,
 ) -> tuple[Session, QueueState]:
     """`lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
     finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
@@ -108,13 +114,24 @@ def lock_for_admission(
 
     `slot`: the dialog's channel and chat id and the send's received time, for a send that
     may start its turn: F7's counts for that turn are read in the same statement as the
-    queue's (`QueueState.slot`), so the start needs no statement of its own for them."""
+    queue's (`QueueState.slot`), so the start needs no statement of its own for them.
+
+    `context`: the turn context of a send that may start its turn, read in the same round
+    trip (`QueueState.context`), so its build needs no read of its own (G6). It goes first,
+    before the lock, so a long dialog's read holds no lock another send waits for (its
+    sender's row: the sender's other dialogs, F7); what commits between it and the lock
+    shows in the row's revision, and the build then reads anew
+    (`builder.admitted_context`)."""
     counts, count_params = _count_columns(session_pk, owner_id, slot)
+    read = None
     with rows.cursor() as cursor:
         if connection.features.has_select_for_update:
             # Both rows, the dialog's first (the order every claim takes them in).
-            with rows.cursor() as counting:
+            with rows.cursor() as counting, rows.cursor() as reading:
                 with rows.pipelined():
+                    if context is not None:
+                        # First: a long dialog's read holds no lock of the others.
+                        reading.execute(context.sql, context.params)
                     cursor.execute(
                         f'SELECT {rows.columns(Session, "s")} FROM "{_USERS}" u,'  # noqa: S608
                         f' {_LIVE} AND u."{_USER_PK}" = %s FOR UPDATE OF s, u',
@@ -127,16 +144,24 @@ def lock_for_admission(
                 found = cursor.fetchone()
                 if found is not None:
                     row = (*found, *counting.fetchone())
+                    if context is not None:
+                        read = context.result(reading.fetchall())
         else:
             cursor.execute(
                 f"SELECT {rows.columns(Session, 's')}, {counts} FROM {_LIVE}",  # noqa: S608
                 [*count_params, session_pk],
             )
             found = row = cursor.fetchone()
+            if found is not None and context is not None:
+                cursor.execute(context.sql, context.params)
+                read = context.result(cursor.fetchall())
     if found is None:
         raise NotFound(_("Dialog not found."))
     width = len(Session._meta.concrete_fields)
-    return rows.from_row(Session, row), _queue_state(row[width:])
+    state = _queue_state(row[width:])
+    if context is not None:
+        state.context = read
+    return rows.from_row(Session, row), state
 
 
 def _count_columns(
@@ -182,6 +207,19 @@ def _queue_state(counts: Sequence[Any]) -> QueueState:
         staged=bool(staged),
         queued_everywhere=int(queued_everywhere),
         slot=(int(slot_counts[0] or 0), int(slot_counts[1] or 0)) if slot_counts else None,
+    )
+
+
+def _context_statement(
+    inbound: Inbound, session: Session, max_chars: int
+) -> selectors.TurnContextStatement:
+    """The turn context a send's admission reads with its lock: the window its user message
+    will give (`selectors.turn_context`'s `ahead`)."""
+    return selectors.TurnContextStatement(
+        session_pk=session.pk,
+        owner_id=inbound.owner.pk,
+        max_chars=max_chars,
+        ahead=len(inbound.content),
     )
 
 
@@ -251,8 +289,9 @@ class Started:
     session: Session
     appended: services.Appended | None
     generation: int
-    # The turn's context, read while the admission ran (`Engine.submit`), for its build.
-    ahead: ReadAhead | None = None
+    # The turn's context, read by the admission after its lock (`lock_for_admission`), for
+    # its build; None: the build reads it.
+    context: selectors.TurnContext | None = None
     # The turn's input, being built from that read while the admission commits
     # (`Engine.submit`); None (or a None result): the worker builds it.
     prepared: concurrent.futures.Future[PreparedInput | None] | None = None
@@ -325,6 +364,7 @@ def admit_and_start(
     held: Lease | None = None,
     before_commit: Callable[[], None] | None = None,
     on_started: Callable[[Started], None] | None = None,
+    context_chars: int | None = None,
 ) -> tuple[Ack, Started | None]:
     """`admit`, and for a send to an idle dialog whose lease is free, start its turn in the
     same transaction (G6: one round trip before the context is read): take the lease for
@@ -339,14 +379,17 @@ def admit_and_start(
     The started path is four statements on SQLite: the locked row with the queue counts and
     F7's slot counts, the turn inserted running, the user message, and one update of the
     dialog's row (turn counter, lease, revision); on PostgreSQL three in two round trips:
-    the dialog's and the owner's rows locked, then the counts, sent together; then the last
-    three writes as one statement (`rows.merged`), sent with the COMMIT.
+    the dialog's and the owner's rows locked, then the counts (and the turn's context,
+    `context_chars`), sent together; then the last three writes as one statement
+    (`rows.merged`), sent with the COMMIT.
 
     `before_commit`: run last inside the transaction (a send-rate charge under way,
     `limits.PendingCharge.wait`); raising rolls everything back. `on_started`: called with
     the started turn as soon as it is decided, before that wait and the COMMIT (the turn's
     input built meanwhile, `Engine.submit`); a `Started` of an attempt that did not commit
-    is never returned, so what was made for it goes unused."""
+    is never returned, so what was made for it goes unused. `context_chars`: for a send
+    that may start its turn, the turn's context is read with the lock, its history window
+    `context_chars` characters at most (`Started.context`, for its build)."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         with transaction.atomic():
@@ -361,7 +404,12 @@ def admit_and_start(
         confirmed = time.monotonic()
         may_start = inbound.mode in ("send", "steer") and (held is not None or start_as is not None)
         slot = (session.channel, session.chat_id, inbound.received_at) if may_start else None
-        live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot)
+        context = (
+            _context_statement(inbound, session, context_chars)
+            if may_start and context_chars is not None
+            else None
+        )
+        live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot, context=context)
         if inbound.accept is not None:
             inbound.accept()
         idle_send = inbound.mode in ("send", "steer") and not state.busy
@@ -390,13 +438,15 @@ def admit_and_start(
 class Admission:
     """One send of a batch admitted together (`admit_and_start_many`): a send or steer that
     may start its turn under a new lease for `start_as` (no lingering worker's lease, no
-    chat app's `accept`). `before_commit` and `on_started` as for `admit_and_start`."""
+    chat app's `accept`). `before_commit`, `on_started` and `context_chars` as for
+    `admit_and_start`."""
 
     inbound: Inbound
     session: Session
     start_as: str
     before_commit: Callable[[], None] | None = None
     on_started: Callable[[Started], None] | None = None
+    context_chars: int | None = None
 
 
 # `admit_and_start_many`: this send is admitted on its own (`admit_and_start`) after the batch.
@@ -500,7 +550,8 @@ def _start_one(
 
 def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
     """`lock_for_admission` for a batch (`admit_and_start_many`): the live dialogs' rows and
-    counts, by id, of the sends whose dialog and sender rows it locked; a dialog gone, or one
+    counts (and the contexts of the sends that ask for one, read before the locks), by id,
+    of the sends whose dialog and sender rows it locked; a dialog gone, or one
     whose row or sender's row another transaction holds, has none (SKIP LOCKED; in id order,
     as `lease.check_all` locks). Every statement has the same text whatever the
     batch's size (the counts are one statement per dialog, those of `lock_for_admission`),
@@ -511,7 +562,18 @@ def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
         locking = cursors.enter_context(rows.cursor())
         owning = cursors.enter_context(rows.cursor())
         counting = [cursors.enter_context(rows.cursor()) for _a in batch]
+        contexts = [
+            _context_statement(a.inbound, a.session, a.context_chars)
+            if a.context_chars is not None
+            else None
+            for a in batch
+        ]
+        reading = [cursors.enter_context(rows.cursor()) for _a in batch]
         with rows.pipelined():
+            # The contexts first: a long dialog's read holds none of the batch's locks.
+            for cursor, context in zip(reading, contexts, strict=True):
+                if context is not None:
+                    cursor.execute(context.sql, context.params)
             locking.execute(
                 f'SELECT {rows.columns(Session, "s")} FROM "{_SESSIONS}" s'  # noqa: S608
                 ' WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id"'
@@ -534,15 +596,20 @@ def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
         locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
         owners_locked = {row[0] for row in owning.fetchall()}
         found = {}
-        for cursor, admission in zip(counting, batch, strict=True):
+        for cursor, admission, reader, context in zip(
+            counting, batch, reading, contexts, strict=True
+        ):
             counted = cursor.fetchone()
+            read = context.result(reader.fetchall()) if context is not None else None
             live = locked.get(admission.session.pk)
             if (
                 counted is not None
                 and live is not None
                 and admission.inbound.owner.pk in owners_locked
             ):
-                found[live.pk] = (live, _queue_state(counted))
+                state = _queue_state(counted)
+                state.context = read
+                found[live.pk] = (live, state)
     return found
 
 
@@ -596,7 +663,7 @@ def _start_locked(
     with rows.merged():
         # G6: on PostgreSQL the turn, its user message and the row's update are one
         # statement (`rows.merged`).
-        return _insert_started(
+        started = _insert_started(
             inbound,
             live,
             state,
@@ -607,6 +674,8 @@ def _start_locked(
             held=held,
             now=now,
         )
+    started.context = state.context
+    return started
 
 
 def _insert_started(

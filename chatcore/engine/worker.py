@@ -458,7 +458,7 @@ class Workers:
                         exclude_turn_partials=exclude,
                         pending=lead,
                         session=session,
-                        ahead=started.ahead,
+                        context=started.context,
                     )
             except Exception:
                 logger.exception("context preparation failed", extra=log)

@@ -13,8 +13,6 @@ dialog, and its cost per message already seen is a lookup.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 
-from chatcore.common.dbthreads import on_db, start_on_db
+from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, services
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
@@ -42,10 +40,6 @@ SYSTEM_PROMPT = (
 )
 RUNTIME_MARKER = "\n\n[runtime context]\n"
 TRIMMED_NOTE = "\n[... trimmed for the model's context ...]"
-# How long the build of a send's input, started on a database thread once its admission
-# committed, waits for the context read made beside that admission (`ReadAhead.valid_now`);
-# past it the worker reads and builds as without that read.
-READ_AHEAD_WAIT_SECONDS = 5.0
 # The read window: at most this many characters per token of the model's window are loaded
 # (newest first). Real text runs 3-5 characters a token; anything past 16 cannot fit anyway.
 WINDOW_CHARS_PER_TOKEN = 16
@@ -210,50 +204,18 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
     return out
 
 
-class ReadAhead:
-    """A send's turn context, read while its admission runs (`TurnInputBuilder.read_ahead`).
-    The read does not see the admission's writes, so it is used only when the admitted row
-    shows nothing else happened between the two: the user message appended as the one
-    message after the revision the read saw, and the state version raised once by that
-    append (a compaction, a clear or another append since would show). Memory notes are
-    per owner and read without a lock either way."""
-
-    def __init__(self, read: concurrent.futures.Future[selectors.TurnContext]) -> None:
-        self._done = read
-        self._read = asyncio.wrap_future(read)
-        self._read.add_done_callback(_retrieve)
-
-    def discard(self) -> None:
-        """The send did not start its turn: nothing will use the read."""
-        self._read.cancel()
-
-    async def valid_for(self, session: Session | None) -> selectors.TurnContext | None:
-        if session is None:
-            return None
-        try:
-            found = await self._read
-        except Exception:
-            return None  # read again, as without it
-        return self._checked(found, session)
-
-    def valid_now(self, session: Session) -> selectors.TurnContext | None:
-        """`valid_for` from a database thread: the call after the read waits for it there."""
-        try:
-            found = self._done.result(timeout=READ_AHEAD_WAIT_SECONDS)
-        except Exception:
-            return None
-        return self._checked(found, session)
-
-    @staticmethod
-    def _checked(found: selectors.TurnContext, session: Session) -> selectors.TurnContext | None:
-        if found.revision != (session.last_seq - 1, session.state_version - 1):
-            return None
-        return found
-
-
-def _retrieve(read: asyncio.Future[Any]) -> None:
-    if not read.cancelled():
-        read.exception()  # seen here, so an unused failed read is not logged as lost
+def admitted_context(
+    found: selectors.TurnContext | None, session: Session | None
+) -> selectors.TurnContext | None:
+    """A started turn's context as its admission read it with the dialog's row locked
+    (`queue.lock_for_admission`), for the row that admission left: the user message appended
+    as the one message after the revision the read saw, and the state version raised once by
+    that append. None (read it again) when the row shows anything else."""
+    if found is None or session is None:
+        return None
+    if found.revision != (session.last_seq - 1, session.state_version - 1):
+        return None
+    return found
 
 
 class TurnInputBuilder:
@@ -290,13 +252,13 @@ class TurnInputBuilder:
         exclude_turn_partials: str | None = None,
         budget_ratio: float | None = None,
         session: Session | None = None,
-        ahead: ReadAhead | None = None,
+        context: selectors.TurnContext | None = None,
     ) -> PreparedInput:
         """The model's input for a turn of the dialog. `session`: its row as the caller's
         transaction just read it (the claim, G6); without it, the row is read here.
-        `ahead`: the context read while the turn's admission ran (`read_ahead`), used when
-        nothing but the turn's own user message changed the dialog since."""
-        found = await ahead.valid_for(session) if ahead is not None else None
+        `context`: the turn's context as its admission read it (`Started.context`), used
+        when nothing but the turn's own user message changed the dialog since."""
+        found = admitted_context(context, session)
         return await on_db(self._build)(
             session_pk,
             runtime,
@@ -308,16 +270,19 @@ class TurnInputBuilder:
         )
 
     def prepare_beside(
-        self, session: Session, ahead: ReadAhead, appended: services.Appended | None = None
+        self,
+        session: Session,
+        context: selectors.TurnContext | None,
+        appended: services.Appended | None = None,
     ) -> PreparedInput | None:
         """A send's turn input, built on a database thread as soon as its admission has
         started its turn (`Engine.submit`, G6), while that transaction waits for its COMMIT:
-        from the context read beside the admission, on the row the admission left and with
-        the messages it `appended` (not yet committed, so neither read nor recorded in the
-        history cache here), with no trip back to the event loop and out again before the
-        model request. None when that read cannot be used (the worker then reads and builds,
-        `prepare`)."""
-        found = ahead.valid_now(session)
+        from the context the admission read with its lock, on the row the admission left and
+        with the messages it `appended` (not yet committed, so neither read nor recorded in
+        the history cache here), with no trip back to the event loop and out again before
+        the model request. None when that context cannot be used (the worker then reads and
+        builds, `prepare`)."""
+        found = admitted_context(context, session)
         if found is None:
             return None
         runtime = RuntimeInfo(
@@ -379,24 +344,6 @@ class TurnInputBuilder:
             exclude_turn_partials=exclude_turn_partials,
             budget_ratio=settings.CHAT["COMPACTION_BUDGET_RATIO"] / 2,
         )
-
-    def read_ahead(self, session: Session, chars: int) -> ReadAhead | None:
-        """Start reading a send's turn context while its admission runs (G6: the read is
-        off the path to the first token): the window its user message of `chars` characters
-        will give, and the dialog's revision to check it by (`ReadAhead.valid_for`). It goes
-        to a database thread before the admission does, so it reads the row the admission
-        then changes. None for a synchronous caller (nothing runs beside its calls)."""
-
-        def read() -> selectors.TurnContext:
-            return selectors.turn_context(
-                session_pk=session.pk,
-                owner_id=session.owner_id,
-                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
-                ahead=chars,
-            )
-
-        started = start_on_db(read)
-        return ReadAhead(started) if started is not None else None
 
     def _load_context(
         self,

@@ -466,8 +466,15 @@ class Workers:
                 failed = Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed")
                 await self._finish(turn, session, failed, generation, local=local)
                 return
-            if prepared.dropped_for_budget:
-                self._schedule_compaction(session.pk)
+            dropped = prepared.dropped_for_budget
+
+            def after_request() -> None:
+                # The model request is on its way: the user message's delta, and (B5) the
+                # compaction a long dialog needs, scheduled off the path to the first token
+                # (in scaled mode a round trip to Redis on a database thread).
+                announce()
+                if dropped:
+                    self._schedule_compaction(session.pk)
 
             async def fetch_staged() -> list[Any]:
                 return await on_db(take_staged)(turn=turn, fence=held)
@@ -487,7 +494,9 @@ class Workers:
                 continues=continues,
                 lead=lead,
             )
-            outcome = await self._run_cancellable(local, runner, prepared, announce=announce)
+            outcome = await self._run_cancellable(
+                local, runner, prepared, after_request=after_request
+            )
             if runner.recovered:
                 self._schedule_compaction(session.pk)
             await self._finish(turn, session, outcome, generation, local=local)
@@ -520,15 +529,15 @@ class Workers:
         runner: TurnRunner,
         prepared: Any,
         *,
-        announce: Callable[[], None] | None = None,
+        after_request: Callable[[], None] | None = None,
     ) -> TurnOutcome:
         loop = asyncio.get_running_loop()
         run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
-        if announce is not None:
+        if after_request is not None:
             # After the runner's first step, which sends the model request and waits for its
-            # answer: the delta's publish runs while the model works, before its first token
-            # can be read.
-            loop.call_soon(announce)
+            # answer: what runs there (the user message's delta) runs while the model works,
+            # before its first token can be read.
+            loop.call_soon(after_request)
         cancel_wait = loop.create_task(local.cancel.wait())
         publisher = loop.create_task(
             snapshots.publish_snapshots(

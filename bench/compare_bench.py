@@ -168,6 +168,26 @@ def _wait_port(port: int, proc: subprocess.Popen[str], log: Path) -> None:
         time.sleep(0.1)
 
 
+def _wait_settled(port: int, proc: subprocess.Popen[str], log: Path) -> None:
+    """Until the `serve` process on `port` has finished starting: its engine started (the
+    tokenizer's tables loaded) and its heap settled, which `/healthz` shows as its
+    `collector` figures. A process still starting takes a core for a second or so; measured
+    beside it, another process's turns would wait for it."""
+    import httpx
+
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"server did not settle:\n{log.read_text()}")
+        try:
+            health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            health = {}
+        if health.get("collector"):
+            return
+        time.sleep(0.1)
+
+
 def start_floor(model: Model, tmp: Path) -> Target:
     port = free_port()
     log = tmp / "floor.log"
@@ -237,6 +257,7 @@ def start_platform(name: str, env: dict[str, str], tmp: Path, processes: int, us
 
     tokens = make_tokens(env, users)
     target = Target(name, [], tokens=tokens)
+    started = []
     for i in range(processes):
         port = free_port()
         log = tmp / f"serve-{i}.log"
@@ -247,6 +268,10 @@ def start_platform(name: str, env: dict[str, str], tmp: Path, processes: int, us
         target.procs.append(proc)
         _wait_port(port, proc, log)
         target.urls.append(f"ws://127.0.0.1:{port}/ws/chat/")
+        started.append((port, proc, log))
+    # Measured once every process has started, not beside one still loading.
+    for port, proc, log in started:
+        _wait_settled(port, proc, log)
     return target
 
 

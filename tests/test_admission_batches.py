@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import OperationalError, connection, connections, transaction
+from django.test import override_settings
 from django.utils import timezone
 
 from chatcore.common.errors import NotFound, RateLimited
@@ -179,21 +181,35 @@ def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_o
     assert not Turn.objects.filter(session_id__in=[dialog_held.pk, sender_held.pk]).exists()
 
 
-def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(make_user: Any) -> None:
-    # covers: F7 (the send rate), C2 (a refused send changes nothing)
+@pytest.mark.redis
+def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(
+    make_user: Any, redis_url: str
+) -> None:
+    # covers: F7 (the send rate, counted on Redis by the batch's transaction), C2 (a refused
+    # send changes nothing)
+    from chatcore.engine import limits
+
     first, refused, last = _dialogs(make_user, 3)
-
-    def over_budget() -> None:
-        raise RateLimited(retry_after=30)
-
-    outcomes = queue.admit_and_start_many(
-        [
-            _admission(first, "one"),
-            _admission(refused, "two", before_commit=over_budget),
-            _admission(last, "three"),
-        ],
-        cfg=settings.CHAT,
-    )
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
+        cfg = {**settings.CHAT, "RATE_LIMIT_PER_MINUTE": 1}
+        # Each sender's first send of the minute is within the budget; `refused`'s second is
+        # not.
+        charges = [
+            asyncio.run(limits.charge_beside(s.owner_id, limits.SEND, cfg))
+            for s in (first, refused, refused, last)
+        ]
+        assert all(charge is not None for charge in charges)
+        charges[1].send()  # type: ignore[union-attr]
+        charges[1].wait()  # type: ignore[union-attr]
+        outcomes = queue.admit_and_start_many(
+            [
+                _admission(first, "one", charge=charges[0]),
+                _admission(refused, "two", charge=charges[2]),
+                _admission(last, "three", charge=charges[3]),
+            ],
+            cfg=settings.CHAT,
+        )
     assert isinstance(outcomes[0], tuple) and isinstance(outcomes[2], tuple)
     assert isinstance(outcomes[1], RateLimited)
     assert not Turn.objects.filter(session_id=refused.pk).exists()

@@ -252,6 +252,34 @@ async def test_a_burst_of_sends_is_charged_exactly_in_a_few_round_trips_to_redis
         await limits.acharge(7374, limits.SEND, cfg)
 
 
+def counts_held(monkeypatch: pytest.MonkeyPatch, before_read: Any) -> list[int]:
+    """Every trip of send-rate counts to Redis (an admission's own, or a loop-side charge's)
+    recorded by its number of keys, its replies read only after `before_read()` (once per
+    trip): a cache server slow to answer, or held until the test lets it go."""
+    from chatcore.engine import limits
+
+    real = limits._start_counts
+    trips: list[int] = []
+
+    def start(keys: list[str]) -> Any:
+        trip = real(keys)
+        trips.append(len(keys))
+        read = trip.counts
+        waited: list[bool] = []
+
+        def counts() -> list[int]:
+            if not waited:
+                waited.append(True)
+                before_read()
+            return read()
+
+        trip.counts = counts  # type: ignore[method-assign]
+        return trip
+
+    monkeypatch.setattr(limits, "_start_counts", start)
+    return trips
+
+
 @pytest.mark.redis
 async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_nothing(
     make_engine: Any, fake_model: Any, user: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
@@ -270,15 +298,9 @@ async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_
 
     fixed = 1_800_000_000.0 - 40
     monkeypatch.setattr(limits, "time", types.SimpleNamespace(time=lambda: fixed))
-    real = limits._COUNTS.run_many
-    trips: list[int] = []
-
-    def slow(keys: list[str]) -> list[int]:
-        time.sleep(0.3)  # longer than the admission's statements: they wait for it
-        trips.append(len(keys))
-        return real(keys)
-
-    monkeypatch.setattr(limits._COUNTS, "run_many", slow)
+    real_start = limits._start_counts
+    # Longer than the admission's statements: they wait for it.
+    trips = counts_held(monkeypatch, lambda: time.sleep(0.3))
     backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
     with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
         async with engine_with(make_engine, RATE_LIMIT_PER_MINUTE=2) as engine:
@@ -305,10 +327,10 @@ async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_
             assert await sync_to_async(stored)() == before
             assert trips == [1, 1, 1]
 
-            def unreachable(keys: list[str]) -> list[int]:
+            def unreachable(keys: list[str]) -> Any:
                 raise AssertionError("a send known over its budget went to the cache server")
 
-            monkeypatch.setattr(limits._COUNTS, "run_many", unreachable)
+            monkeypatch.setattr(limits, "_start_counts", unreachable)
             with pytest.raises(RateLimited):
                 await send(engine, session, "fourth")
             assert await sync_to_async(stored)() == before
@@ -318,7 +340,7 @@ async def test_a_send_over_its_rate_is_refused_beside_its_admission_and_changes_
             ]
 
             # The next minute's budget: the dialog goes on exactly as stored.
-            monkeypatch.setattr(limits._COUNTS, "run_many", real)
+            monkeypatch.setattr(limits, "_start_counts", real_start)
             monkeypatch.setattr(limits, "time", types.SimpleNamespace(time=lambda: fixed + 60))
             fake_model.script(Reply(text="three"))
             ack = await send(engine, session, "fifth")
@@ -354,21 +376,15 @@ async def test_a_burst_of_sends_wider_than_the_database_threads_waits_for_no_thr
     redis_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # covers: F7, G6 (admissions that wait for their charges hold every database thread; the
-    # charges' round trips to the cache server need none, so every send is admitted)
+    # covers: F7, G6 (each admission makes and reads its own charge on its database thread,
+    # needing no other thread: a cache server slow to answer holds every thread a while, and
+    # every send is admitted)
     import time
     import uuid
 
     from chatcore.common import dbthreads
-    from chatcore.engine import limits
 
-    real = limits._COUNTS.run_many
-
-    def slow(keys: list[str]) -> list[int]:
-        time.sleep(0.2)
-        return real(keys)
-
-    monkeypatch.setattr(limits._COUNTS, "run_many", slow)
+    counts_held(monkeypatch, lambda: time.sleep(0.2))
     backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
     width = dbthreads.thread_count() * 2
     with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
@@ -393,28 +409,24 @@ async def test_a_burst_of_sends_wider_than_the_database_threads_waits_for_no_thr
 async def test_an_admission_goes_on_when_its_charge_is_back_however_busy_the_loop_is(
     make_engine: Any, fake_model: Any, user: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # covers: F7, G6 (a send's charge reaches its admitting transaction straight from the
-    # cache server's trip; in a burst the loop is busy taking in the other sends, and an
+    # covers: F7, G6 (a send's charge is made and read by its admitting transaction itself,
+    # never through the loop: in a burst the loop is busy taking in the other sends, and an
     # admission that waited for it would hold its database thread for nothing)
     import threading
     import time
     import uuid
 
-    from chatcore.engine import limits, queue
+    from chatcore.engine import queue
 
-    real_count, real_lock = limits._COUNTS.run_many, queue.lock_for_admission
+    real_lock = queue.lock_for_admission
     admitting, charge_may_go = threading.Event(), threading.Event()
-
-    def count(keys: list[str]) -> list[int]:
-        assert charge_may_go.wait(10)
-        return real_count(keys)
 
     def lock(*args: Any, **kwargs: Any) -> Any:
         found = real_lock(*args, **kwargs)
         admitting.set()
         return found
 
-    monkeypatch.setattr(limits._COUNTS, "run_many", count)
+    counts_held(monkeypatch, lambda: charge_may_go.wait(10))
     monkeypatch.setattr(queue, "lock_for_admission", lock)
     backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
     with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):

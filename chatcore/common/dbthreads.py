@@ -256,11 +256,10 @@ class Batch(Generic[I, R]):
     (at most `max_batch`): `run_many(items)` on a thread of its own, which takes the next
     trip as soon as one is back, one result per item, in order; its error is every item's.
     For work whose per-call cost dwarfs the per-item one (a round trip to a cache server): a
-    burst of calls costs a few trips, not one each. Its trips never wait for a database
-    thread, nor for the event loop: `start` hands back the trip thread's own future, so a
-    transaction on a database thread that waits for an item (an admission for its send-rate
-    charge, `limits.PendingCharge`) goes on the moment the trip is back, however busy the
-    loop is with the rest of a burst."""
+    burst of calls costs a few trips, not one each (the send-rate charges made from the
+    loop, `limits.acharge`). Its trips never wait for a database thread, nor for the event
+    loop: `start` hands back the trip thread's own future, which a database thread may wait
+    on, and which is settled the moment the trip is back, however busy the loop is."""
 
     def __init__(
         self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256

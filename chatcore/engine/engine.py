@@ -230,7 +230,7 @@ class Engine:
                 states=self.states,
                 start_as=start_as,
                 held=held,
-                before_commit=charged.wait if charged is not None else None,
+                charge=charged,
                 on_started=build_beside if context_chars is not None else None,
                 context_chars=context_chars,
             )
@@ -252,7 +252,7 @@ class Engine:
                 inbound,
                 session,
                 start_as,
-                before_commit=charged.wait if charged is not None else None,
+                charge=charged,
                 on_started=build_beside if context_chars is not None else None,
                 context_chars=context_chars,
             )

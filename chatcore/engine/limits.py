@@ -19,7 +19,6 @@ settings (an engine keeps the settings it started with) pass their own `cfg`:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -79,19 +78,12 @@ def _refuse_over(count: int, budget: str, cfg: Mapping[str, Any] | None, now: fl
 
 def _count_many(keys: list[str]) -> list[int]:
     """Add one to each counter of `keys` (created with a two-minute life; a key twice counts
-    twice) and return their counts. On Redis one round trip for all (SET NX and INCR each, in
-    a pipeline) instead of the cache API's three per key (add, then incr's existence check
-    and increment): every send pays it before admission."""
+    twice) and return their counts. On Redis one round trip for all (SET NX and INCR each,
+    written together, `_start_counts`) instead of the cache API's three per key (add, then
+    incr's existence check and increment): every send pays it before admission."""
     backend = caches["default"]
     if isinstance(backend, RedisCache):
-        fulls = [backend.make_and_validate_key(key) for key in keys]
-        client = backend._cache.get_client(fulls[0], write=True)
-        with client.pipeline(transaction=False) as pipe:
-            for full in fulls:
-                pipe.set(full, 0, ex=120, nx=True)
-                pipe.incr(full)
-            replies = pipe.execute()
-        return [int(count) for count in replies[1::2]]
+        return _start_counts(keys).counts()
     counts = []
     for key in keys:
         backend.add(key, 0, timeout=120)
@@ -101,6 +93,53 @@ def _count_many(keys: list[str]) -> list[int]:
             backend.set(key, 1, timeout=120)
             counts.append(1)
     return counts
+
+
+class _CountTrip:
+    """Counts written to Redis and not read yet, on a connection of the cache's pool taken
+    for them (`_start_counts`): `counts()` reads the replies (once) and gives the connection
+    back. Between the two the caller does other work: its replies wait in the socket."""
+
+    def __init__(self, pool: Any, conn: Any, keys: int) -> None:
+        self._pool, self._conn, self._keys = pool, conn, keys
+        self._counts: list[int] | None = None
+        self._error: BaseException | None = None
+
+    def counts(self) -> list[int]:
+        if self._counts is None and self._error is None:
+            conn, self._conn = self._conn, None
+            try:
+                replies = [conn.read_response() for _ in range(2 * self._keys)]
+                self._counts = [int(count) for count in replies[1::2]]
+            except BaseException as exc:
+                conn.disconnect()  # replies may be owed: the connection is not used again
+                self._error = exc
+            finally:
+                self._pool.release(conn)
+        if self._error is not None:
+            raise self._error
+        assert self._counts is not None
+        return self._counts
+
+
+def _start_counts(keys: list[str]) -> _CountTrip:
+    """SET NX and INCR of each of `keys` (a two-minute life) written to the cache's Redis
+    now; the counts are read later (`_CountTrip.counts`)."""
+    backend = caches["default"]
+    assert isinstance(backend, RedisCache)
+    fulls = [backend.make_and_validate_key(key) for key in keys]
+    pool = backend._cache.get_client(fulls[0], write=True).connection_pool
+    conn = pool.get_connection()
+    commands: list[tuple[Any, ...]] = []
+    for full in fulls:
+        commands += [("SET", full, 0, "EX", 120, "NX"), ("INCR", full)]
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+    except BaseException:
+        conn.disconnect()
+        pool.release(conn)
+        raise
+    return _CountTrip(pool, conn, len(fulls))
 
 
 # A burst of sends counts in a few round trips to the cache server, not one each.
@@ -155,49 +194,69 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
 
 
 class PendingCharge:
-    """A send-rate charge on its way to the cache server while the send's admission runs
-    (`charge_beside`). The admitting transaction calls `wait()` on its database thread just
-    before it commits: by then the charge is back (its round trip is shorter than the
-    admission's statements), and a refusal raises there, so the transaction rolls back and
-    the send changes nothing, as if it had been refused first. The count comes straight from
-    the cache server's trip thread (`Batch.start`): in a burst the event loop is busy taking
-    in the other sends, and an admission that waited for it to pass the count on would hold
-    its database thread meanwhile."""
+    """A send-rate charge made by the send's admitting transaction on its own database thread
+    (`charge_beside`), beside its first round trip to the database: `send()` as the
+    transaction begins writes the count to Redis (before the statements that lock the
+    dialog), `wait()` just before the COMMIT reads it, by then back in the socket, and a
+    refusal raises there, so the transaction rolls back and the send changes nothing, as if
+    it had been refused first. No thread of its own and no trip through the event loop: the
+    admission waits for nothing but its own two round trips, however busy the loop is with
+    the rest of a burst. A batch of admissions sends all of its charges in one write
+    (`send_together`). The count is made once: an admission tried again reads the first
+    attempt's; `settle()` reads it, quietly, when the transaction ended before `wait()`."""
 
-    def __init__(
-        self,
-        count: concurrent.futures.Future[int],
-        key: str,
-        budget: str,
-        cfg: Mapping[str, Any] | None,
-        now: float,
-    ) -> None:
-        self._count = count
+    def __init__(self, key: str, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
         self._key, self._budget, self._cfg, self._now = key, budget, cfg, now
-        # Seen over its budget even if nothing waits for it (an admission that failed first):
-        # the next send against the counter is refused with no round trip.
-        count.add_done_callback(self._note)
+        self._trip: _CountTrip | None = None
+        self._at = 0  # this charge's count among its trip's
 
-    def _note(self, count: concurrent.futures.Future[int]) -> None:
-        if not count.cancelled() and count.exception() is None:
-            with contextlib.suppress(RateLimited):
-                _counted(self._key, count.result(), self._budget, self._cfg, self._now)
+    def send(self) -> None:
+        """Write the count to Redis, unless it was written already."""
+        if self._trip is None:
+            send_together([self])
+
+    def _count(self) -> int:
+        self.send()
+        assert self._trip is not None
+        count = self._trip.counts()[self._at]
+        # Seen over its budget: the next send against the counter is refused with no round
+        # trip (the admission's rollback or not).
+        with contextlib.suppress(RateLimited):
+            _counted(self._key, count, self._budget, self._cfg, self._now)
+        return count
 
     def wait(self) -> None:
-        """Blocks until the charge is back; raises its refusal or error. A database thread's
-        call, from inside the admitting transaction."""
-        _refuse_over(self._count.result(), self._budget, self._cfg, self._now)
+        """The count back from Redis; raises its refusal or error. A database thread's call,
+        from inside the admitting transaction."""
+        _refuse_over(self._count(), self._budget, self._cfg, self._now)
+
+    def settle(self) -> None:
+        """Read a count written and not read yet (its connection goes back to the pool)."""
+        if self._trip is not None:
+            with contextlib.suppress(Exception):
+                self._count()
+
+
+def send_together(charges: list[PendingCharge]) -> None:
+    """Write the counts of `charges` not written yet, in one write (`PendingCharge.send`)."""
+    unsent = [charge for charge in charges if charge._trip is None]
+    if not unsent:
+        return
+    trip = _start_counts([charge._key for charge in unsent])
+    for at, charge in enumerate(unsent):
+        charge._trip, charge._at = trip, at
 
 
 async def charge_beside(
     user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None
 ) -> PendingCharge | None:
     """`acharge`, for a request whose admission can run meanwhile (G6: a send's first token
-    does not wait for the cache server's round trip first). With a cache server, the charge
-    goes out and a `PendingCharge` comes back for the admitting transaction to wait on; in
-    process memory, or for a synchronous caller (whose admission runs on its own thread, the
-    one the charge would need), the charge is made here and None comes back."""
-    if isinstance(caches["default"], LocMemCache) or (
+    does not wait for the cache server's round trip first). On Redis a `PendingCharge` comes
+    back for the admitting transaction to make and wait on (a counter already seen over its
+    budget refuses here, with no round trip); in process memory, on another cache server,
+    or for a synchronous caller (whose admission runs on its own thread), the charge is made
+    here and None comes back."""
+    if not isinstance(caches["default"], RedisCache) or (
         getattr(AsyncToSync.executors, "current", None) is not None
     ):
         await acharge(user_id, budget, cfg)
@@ -205,7 +264,7 @@ async def charge_beside(
     now = time.time()
     key = _budget_key(user_id, budget, now)
     _known_over(key, budget, cfg, now)
-    return PendingCharge(_COUNTS.start(key), key, budget, cfg, now)
+    return PendingCharge(key, budget, cfg, now)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------

@@ -362,7 +362,7 @@ def admit_and_start(
     states: SessionStates,
     start_as: str | None,
     held: Lease | None = None,
-    before_commit: Callable[[], None] | None = None,
+    charge: limits.PendingCharge | None = None,
     on_started: Callable[[Started], None] | None = None,
     context_chars: int | None = None,
 ) -> tuple[Ack, Started | None]:
@@ -383,9 +383,10 @@ def admit_and_start(
     `context_chars`), sent together; then the last three writes as one statement
     (`rows.merged`), sent with the COMMIT.
 
-    `before_commit`: run last inside the transaction (a send-rate charge under way,
-    `limits.PendingCharge.wait`); raising rolls everything back. `on_started`: called with
-    the started turn as soon as it is decided, before that wait and the COMMIT (the turn's
+    `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis as the
+    transaction begins and read last inside it, its refusal rolling everything back.
+    `on_started`: called with
+    the started turn as soon as it is decided, before that read and the COMMIT (the turn's
     input built meanwhile, `Engine.submit`); a `Started` of an attempt that did not commit
     is never returned, so what was made for it goes unused. `context_chars`: for a send
     that may start its turn, the turn's context is read with the lock, its history window
@@ -393,11 +394,13 @@ def admit_and_start(
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         with transaction.atomic():
+            if charge is not None:
+                charge.send()  # its round trip beside the statements' first one
             admitted = decide()
             if on_started is not None and admitted[2] is not None:
                 on_started(admitted[2])
-            if before_commit is not None:
-                before_commit()
+            if charge is not None:
+                charge.wait()
             return admitted
 
     def decide() -> tuple[Ack, services.Appended | None, Started | None]:
@@ -428,7 +431,11 @@ def admit_and_start(
         ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
         return ack, appended, None
 
-    ack, appended, started = storage.storage_retry(write, what="admit", session=session)
+    try:
+        ack, appended, started = storage.storage_retry(write, what="admit", session=session)
+    finally:
+        if charge is not None:
+            charge.settle()  # read, when the transaction ended before it was
     if appended is not None:
         states.apply_appended(appended)
     return ack, started
@@ -438,13 +445,13 @@ def admit_and_start(
 class Admission:
     """One send of a batch admitted together (`admit_and_start_many`): a send or steer that
     may start its turn under a new lease for `start_as` (no lingering worker's lease, no
-    chat app's `accept`). `before_commit`, `on_started` and `context_chars` as for
+    chat app's `accept`). `charge`, `on_started` and `context_chars` as for
     `admit_and_start`."""
 
     inbound: Inbound
     session: Session
     start_as: str
-    before_commit: Callable[[], None] | None = None
+    charge: limits.PendingCharge | None = None
     on_started: Callable[[Started], None] | None = None
     context_chars: int | None = None
 
@@ -482,6 +489,8 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
         done: list[tuple[int, Ack, Started]] = []
         with transaction.atomic():
             confirmed = time.monotonic()
+            # The batch's charges in one write, their round trip beside the locks'.
+            limits.send_together(charges)
             found = _lock_many(batch)
             for i, admission in enumerate(batch):
                 # Its writes one statement (`rows.merged`), held to go with the COMMIT.
@@ -502,12 +511,16 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
                     batch[i].on_started(started)  # type: ignore[misc]
         return done
 
+    charges = [a.charge for a in batch if a.charge is not None]
     try:
         done = write()
     except DatabaseError as exc:
         # Rolled back: nothing of it stays, and each send is admitted on its own.
         logger.warning("a batch of %d admissions failed; each goes alone: %s", len(batch), exc)
         return outcomes
+    finally:
+        for charge in charges:
+            charge.settle()  # read, for those the batch did not get to
     for i, ack, started in done:
         outcomes[i] = (ack, started)
     return outcomes
@@ -528,11 +541,11 @@ def _start_one(
     live, state = got
     if state.busy or state.staged:
         return None
-    if admission.before_commit is not None:
+    if admission.charge is not None:
         try:
-            # Before its writes (a refusal leaves nothing of it behind); sent beside the
-            # batch's wait for its trip, so it is back by now.
-            admission.before_commit()
+            # Before its writes (a refusal leaves nothing of it behind); written with the
+            # batch's first statements, so it is back by now.
+            admission.charge.wait()
         except Exception as exc:  # noqa: BLE001 (the send's own refusal or error)
             return exc
     try:

@@ -333,7 +333,10 @@ class Workers:
             return False
         self.lingering.add(session_pk)
         try:
-            await asyncio.wait_for(wake.wait(), timeout=LINGER_SECONDS)
+            # A deadline on this task itself (no task of its own for the wait, as `wait_for`
+            # makes): a kick resumes the worker on the loop's next turn.
+            async with asyncio.timeout(LINGER_SECONDS):
+                await wake.wait()
         except TimeoutError:
             return False
         finally:

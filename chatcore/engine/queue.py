@@ -98,6 +98,7 @@ def lock_for_admission(
     *,
     slot: tuple[str, str, Any] | None = None,
     context: selectors.TurnContextStatement | None = None,
+    alongside: Callable[[], None] | None = None,
 ) -> tuple[Session, QueueState]:
     """`lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
     finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
@@ -121,7 +122,8 @@ def lock_for_admission(
     before the lock, so a long dialog's read holds no lock another send waits for (its
     sender's row: the sender's other dialogs, F7); what commits between it and the lock
     shows in the row's revision, and the build then reads anew
-    (`builder.admitted_context`)."""
+    (`builder.admitted_context`). `alongside`: run once these statements are on their way,
+    while the server works on them (the send-rate charge's write, `limits.PendingCharge`)."""
     counts, count_params = _count_columns(session_pk, owner_id, slot)
     read = None
     with rows.cursor() as cursor:
@@ -141,12 +143,16 @@ def lock_for_admission(
                     # own snapshot): no row when the dialog is gone.
                     sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                     counting.execute(sql, [*count_params, session_pk])
+                    if alongside is not None:
+                        alongside()  # the statements are sent: they run meanwhile
                 found = cursor.fetchone()
                 if found is not None:
                     row = (*found, *counting.fetchone())
                     if context is not None:
                         read = context.result(reading.fetchall())
         else:
+            if alongside is not None:
+                alongside()
             cursor.execute(
                 f"SELECT {rows.columns(Session, 's')}, {counts} FROM {_LIVE}",  # noqa: S608
                 [*count_params, session_pk],
@@ -394,8 +400,6 @@ def admit_and_start(
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         with transaction.atomic():
-            if charge is not None:
-                charge.send()  # its round trip beside the statements' first one
             admitted = decide()
             if on_started is not None and admitted[2] is not None:
                 on_started(admitted[2])
@@ -412,7 +416,15 @@ def admit_and_start(
             if may_start and context_chars is not None
             else None
         )
-        live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot, context=context)
+        # The charge is written once the first statements are on their way: its round trip
+        # beside theirs.
+        live, state = lock_for_admission(
+            session.pk,
+            inbound.owner.pk,
+            slot=slot,
+            context=context,
+            alongside=charge.send if charge is not None else None,
+        )
         if inbound.accept is not None:
             inbound.accept()
         idle_send = inbound.mode in ("send", "steer") and not state.busy
@@ -490,8 +502,7 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
         with transaction.atomic():
             confirmed = time.monotonic()
             # The batch's charges in one write, their round trip beside the locks'.
-            limits.send_together(charges)
-            found = _lock_many(batch)
+            found = _lock_many(batch, alongside=lambda: limits.send_together(charges))
             for i, admission in enumerate(batch):
                 # Its writes one statement (`rows.merged`), held to go with the COMMIT.
                 started = _start_one(admission, found, cfg=cfg, confirmed=confirmed)
@@ -561,7 +572,9 @@ def _start_one(
         return None  # refused on its own, as any send
 
 
-def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
+def _lock_many(
+    batch: list[Admission], *, alongside: Callable[[], None] | None = None
+) -> dict[str, tuple[Session, QueueState]]:
     """`lock_for_admission` for a batch (`admit_and_start_many`): the live dialogs' rows and
     counts (and the contexts of the sends that ask for one, read before the locks), by id,
     of the sends whose dialog and sender rows it locked; a dialog gone, or one
@@ -606,6 +619,8 @@ def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
                 counts, params = _count_columns(session.pk, inbound.owner.pk, slot)
                 sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                 cursor.execute(sql, [*params, session.pk])
+            if alongside is not None:
+                alongside()  # the statements are sent: they run meanwhile
         locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
         owners_locked = {row[0] for row in owning.fetchall()}
         found = {}

@@ -583,3 +583,40 @@ def test_timeout_failures_are_translated() -> None:
     with translation.override("zh-hans"):
         chinese = present_failure(FailureKind.TIMEOUT)
     assert english != chinese and chinese
+
+
+@pytest.mark.redis
+def test_a_send_s_charge_is_counted_after_redis_closed_the_pools_connection(
+    redis_url: str,
+) -> None:
+    # covers: F7, G5 (an admission's own charge on a connection of the cache's pool: one the
+    # server closed meanwhile, a restart or an idle timeout, is replaced, and the count is
+    # made once)
+    import uuid
+
+    import redis
+
+    from chatcore.common.errors import RateLimited
+    from chatcore.engine import limits
+
+    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
+    cfg = {"RATE_LIMIT_PER_MINUTE": 2, "WRITE_RATE_PER_MINUTE": 100}
+
+    def charged(user_id: int) -> limits.PendingCharge:
+        charge = asyncio.run(limits.charge_beside(user_id, limits.SEND, cfg))
+        assert charge is not None
+        charge.send()
+        return charge
+
+    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
+        charged(9191).wait()
+        pool = cache._cache.get_client(write=True).connection_pool  # type: ignore[attr-defined]
+        conn = pool.get_connection()
+        conn.send_command("CLIENT", "ID")
+        client_id = conn.read_response()
+        pool.release(conn)
+        with redis.Redis.from_url(redis_url) as other:
+            other.execute_command("CLIENT", "KILL", "ID", client_id)
+        charged(9191).wait()  # the second of the minute: within the budget
+        with pytest.raises(RateLimited):
+            charged(9191).wait()

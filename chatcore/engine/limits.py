@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import redis
 from asgiref.sync import AsyncToSync
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -129,17 +130,28 @@ def _start_counts(keys: list[str]) -> _CountTrip:
     assert isinstance(backend, RedisCache)
     fulls = [backend.make_and_validate_key(key) for key in keys]
     pool = backend._cache.get_client(fulls[0], write=True).connection_pool
-    conn = pool.get_connection()
     commands: list[tuple[Any, ...]] = []
     for full in fulls:
         commands += [("SET", full, 0, "EX", 120, "NX"), ("INCR", full)]
+    try:
+        conn = _sent(pool, commands)
+    except (redis.ConnectionError, redis.TimeoutError):
+        # A connection the server closed under the pool (a restart): once more, on a new
+        # one, as redis-py's own retry does.
+        conn = _sent(pool, commands)
+    return _CountTrip(pool, conn, len(fulls))
+
+
+def _sent(pool: Any, commands: list[tuple[Any, ...]]) -> Any:
+    """A connection of `pool` with `commands` written on it; on an error, none is kept."""
+    conn = pool.get_connection()
     try:
         conn.send_packed_command(conn.pack_commands(commands))
     except BaseException:
         conn.disconnect()
         pool.release(conn)
         raise
-    return _CountTrip(pool, conn, len(fulls))
+    return conn
 
 
 # A burst of sends counts in a few round trips to the cache server, not one each.
@@ -198,13 +210,13 @@ class PendingCharge:
     (`charge_beside`), beside its first round trip to the database: `send()` writes the
     count to Redis once the transaction's first statements are on their way (the dialog's
     lock, `queue.lock_for_admission`), `wait()` just before the COMMIT reads it, by then
-    back in the socket, and a
-    refusal raises there, so the transaction rolls back and the send changes nothing, as if
-    it had been refused first. No thread of its own and no trip through the event loop: the
-    admission waits for nothing but its own two round trips, however busy the loop is with
-    the rest of a burst. A batch of admissions sends all of its charges in one write
-    (`send_together`). The count is made once: an admission tried again reads the first
-    attempt's; `settle()` reads it, quietly, when the transaction ended before `wait()`."""
+    back in the socket, and a refusal raises there, so the transaction rolls back and the
+    send changes nothing, as if it had been refused first. No thread of its own and no trip
+    through the event loop: the admission waits for nothing but its own two round trips,
+    however busy the loop is with the rest of a burst. A batch of admissions sends all of
+    its charges in one write (`send_together`). The count is made once: an admission tried
+    again reads the first attempt's; `settle()` reads it, quietly, when the transaction
+    ended before `wait()`."""
 
     def __init__(self, key: str, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
         self._key, self._budget, self._cfg, self._now = key, budget, cfg, now

@@ -589,9 +589,9 @@ def test_timeout_failures_are_translated() -> None:
 def test_a_send_s_charge_is_counted_after_redis_closed_the_pools_connection(
     redis_url: str,
 ) -> None:
-    # covers: F7, G5 (an admission's own charge on a connection of the cache's pool: one the
-    # server closed meanwhile, a restart or an idle timeout, is replaced, and the count is
-    # made once)
+    # covers: F7, G5 (an admission's own charge takes a connection of the cache's pool for
+    # each trip: one the server closed meanwhile, a restart or an idle timeout, is replaced,
+    # and each count is made once)
     import uuid
 
     import redis

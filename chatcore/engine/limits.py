@@ -26,7 +26,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import redis
 from asgiref.sync import AsyncToSync
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -133,17 +132,8 @@ def _start_counts(keys: list[str]) -> _CountTrip:
     commands: list[tuple[Any, ...]] = []
     for full in fulls:
         commands += [("SET", full, 0, "EX", 120, "NX"), ("INCR", full)]
-    try:
-        conn = _sent(pool, commands)
-    except (redis.ConnectionError, redis.TimeoutError):
-        # A connection the server closed under the pool (a restart): once more, on a new
-        # one, as redis-py's own retry does.
-        conn = _sent(pool, commands)
-    return _CountTrip(pool, conn, len(fulls))
-
-
-def _sent(pool: Any, commands: list[tuple[Any, ...]]) -> Any:
-    """A connection of `pool` with `commands` written on it; on an error, none is kept."""
+    # A connection the server closed while it sat in the pool is replaced by the pool's
+    # own check as it is taken.
     conn = pool.get_connection()
     try:
         conn.send_packed_command(conn.pack_commands(commands))
@@ -151,7 +141,7 @@ def _sent(pool: Any, commands: list[tuple[Any, ...]]) -> Any:
         conn.disconnect()
         pool.release(conn)
         raise
-    return conn
+    return _CountTrip(pool, conn, len(fulls))
 
 
 # A burst of sends counts in a few round trips to the cache server, not one each.

@@ -84,7 +84,8 @@ class QueueState:
     queued_everywhere: int  # queued turns of every dialog (C2's global bound)
     # F7's counts for a turn the send would start (`limits.slot_columns`), when asked for.
     slot: tuple[int, int] | None = None
-    # The turn's context (`selectors.turn_context`), read after the lock, when asked for.
+    # The turn's context (`selectors.turn_context`), read in the lock's round trip, ahead
+    # of it, when asked for.
     context: selectors.TurnContext | None = None
 
     @property
@@ -219,8 +220,8 @@ def _queue_state(counts: Sequence[Any]) -> QueueState:
 def _context_statement(
     inbound: Inbound, session: Session, max_chars: int
 ) -> selectors.TurnContextStatement:
-    """The turn context a send's admission reads with its lock: the window its user message
-    will give (`selectors.turn_context`'s `ahead`)."""
+    """The turn context a send's admission reads in its lock's round trip: the window its
+    user message will give (`selectors.turn_context`'s `ahead`)."""
     return selectors.TurnContextStatement(
         session_pk=session.pk,
         owner_id=inbound.owner.pk,
@@ -295,8 +296,8 @@ class Started:
     session: Session
     appended: services.Appended | None
     generation: int
-    # The turn's context, read by the admission after its lock (`lock_for_admission`), for
-    # its build; None: the build reads it.
+    # The turn's context, read in the admission's first round trip (`lock_for_admission`),
+    # for its build; None: the build reads it.
     context: selectors.TurnContext | None = None
     # The turn's input, being built from that read while the admission commits
     # (`Engine.submit`); None (or a None result): the worker builds it.
@@ -389,14 +390,14 @@ def admit_and_start(
     `context_chars`), sent together; then the last three writes as one statement
     (`rows.merged`), sent with the COMMIT.
 
-    `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis as the
-    transaction begins and read last inside it, its refusal rolling everything back.
-    `on_started`: called with
-    the started turn as soon as it is decided, before that read and the COMMIT (the turn's
-    input built meanwhile, `Engine.submit`); a `Started` of an attempt that did not commit
-    is never returned, so what was made for it goes unused. `context_chars`: for a send
-    that may start its turn, the turn's context is read with the lock, its history window
-    `context_chars` characters at most (`Started.context`, for its build)."""
+    `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis once the lock's
+    statements are on their way and read last inside the transaction, its refusal rolling
+    everything back. `on_started`: called with the started turn as soon as it is decided,
+    before that read and the COMMIT (the turn's input built meanwhile, `Engine.submit`); a
+    `Started` of an attempt that did not commit is never returned, so what was made for it
+    goes unused. `context_chars`: for a send that may start its turn, the turn's context is
+    read in the lock's round trip, its window `context_chars` characters at most
+    (`Started.context`, for its build)."""
 
     def write() -> tuple[Ack, services.Appended | None, Started | None]:
         with transaction.atomic():
@@ -480,8 +481,9 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
     batch's dialogs and its senders are distinct (one send of each per batch, the caller's
     rule).
 
-    One round trip locks the dialogs' rows, then the senders' rows, skipping any row another
-    transaction holds, and reads every dialog's queue and F7 counts after those locks. A
+    One round trip reads the sends' turn contexts, locks the dialogs' rows, then the
+    senders' rows, skipping any row another transaction holds, and reads every dialog's queue
+    and F7 counts after those locks; the batch's send-rate charges go to Redis meanwhile. A
     batch never waits for a lock, so it is never part of a circle of transactions waiting
     on each other (a lease renewal locks many dialogs in the order it finds them, another
     process's batch locks its own), and one contended row holds up no other send of the

@@ -207,7 +207,7 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
 def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:
-    """A started turn's context as its admission read it with the dialog's row locked
+    """A started turn's context as its admission read it, in the round trip of its lock
     (`queue.lock_for_admission`), for the row that admission left: the user message appended
     as the one message after the revision the read saw, and the state version raised once by
     that append. None (read it again) when the row shows anything else."""
@@ -277,7 +277,7 @@ class TurnInputBuilder:
     ) -> PreparedInput | None:
         """A send's turn input, built on a database thread as soon as its admission has
         started its turn (`Engine.submit`, G6), while that transaction waits for its COMMIT:
-        from the context the admission read with its lock, on the row the admission left and
+        from the context the admission read in its first round trip, on the row it left and
         with the messages it `appended` (not yet committed, so neither read nor recorded in
         the history cache here), with no trip back to the event loop and out again before
         the model request. None when that context cannot be used (the worker then reads and

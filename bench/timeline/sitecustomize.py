@@ -1,0 +1,165 @@
+"""Timestamps inside a `serve` process for `bench/send_timeline.py` (never imported otherwise).
+
+Python imports this module at start-up when its folder is on `PYTHONPATH`; it does nothing
+unless `SEND_TIMELINE` names the file to write. Once Django is set up it wraps a few of the
+engine's functions (the steps of a send, from the WebSocket frame to the first snapshot) to
+record, on whatever thread runs them, the time and the thread's CPU time at entry and exit;
+`SIGUSR2` writes the per-step medians over the turns seen. A step the code no longer has is
+left out with a line in the output, so the tool does not break when the engine changes.
+"""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("SEND_TIMELINE"):
+    import collections
+    import functools
+    import inspect
+    import signal
+    import statistics
+    import threading
+    import time
+    from typing import Any
+
+    _LOG: list[tuple[str, float, str, float]] = []
+    _MISSING: list[str] = []
+    # Turns before this many are the warm-up: left out of the medians.
+    _SKIP = int(os.environ.get("SEND_TIMELINE_SKIP", "5"))
+
+    def _mark(name: str) -> None:
+        _LOG.append(
+            (name, time.perf_counter(), threading.current_thread().name, time.thread_time())
+        )
+
+    def _wrap(owner: Any, attr: str, label: str | None = None) -> None:
+        fn = getattr(owner, attr, None)
+        name = label or attr
+        if fn is None:
+            _MISSING.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+            return
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def wrapped_async(*args: Any, **kwargs: Any) -> Any:
+                _mark(name + ">")
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    _mark(name + "<")
+
+            setattr(owner, attr, wrapped_async)
+        else:
+
+            @functools.wraps(fn)
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                _mark(name + ">")
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _mark(name + "<")
+
+            setattr(owner, attr, wrapped)
+
+    def _install() -> None:
+        import httpx
+
+        from chatcore.common import dbthreads
+        from chatcore.engine import engine, queue, snapshots, worker
+        from chatcore.engine.turns import runner
+        from sessions_app import consumers, ws_events
+
+        _wrap(consumers.ChatConsumer, "receive", "frame received")
+        _wrap(engine.Engine, "submit", "submit")
+        _wrap(queue, "admit_and_start", "admission")
+        _wrap(queue, "lock_for_admission", "locked row and counts")
+        _wrap(engine.Engine, "_prepare_beside", "input built beside")
+        _wrap(worker.Workers, "start_claimed", "worker started")
+        _wrap(worker.Workers, "hand_off", "handed to the worker")
+        _wrap(worker.Workers, "_run_turn", "turn run")
+        _wrap(runner.TurnRunner, "_one_request", "model step")
+        _wrap(httpx.AsyncClient, "send", "model request")
+        _wrap(snapshots, "send_snapshot", "snapshot published")
+        relay = getattr(ws_events.ChatEventsConsumer, "_send", None)
+        if relay is None:
+            _MISSING.append("ChatEventsConsumer._send")
+        else:
+
+            async def send(self: Any, frame: dict[str, Any]) -> Any:
+                _mark(f"socket: {frame.get('type')}>")
+                try:
+                    return await relay(self, frame)
+                finally:
+                    _mark(f"socket: {frame.get('type')}<")
+
+            ws_events.ChatEventsConsumer._send = send
+        # Every call on the database threads, by the function it runs.
+        call = getattr(dbthreads, "_call", None)
+        if call is None:
+            _MISSING.append("dbthreads._call")
+        else:
+
+            def _call(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+                name = getattr(getattr(fn, "func", fn), "__name__", "?")
+                _mark(f"on a database thread: {name}>")
+                try:
+                    return call(fn, *args, **kwargs)
+                finally:
+                    _mark(f"on a database thread: {name}<")
+
+            dbthreads._call = _call
+
+    def _write(*_args: Any) -> None:
+        turns: list[list[tuple[str, float, float]]] = []
+        start = 0.0
+        for name, at, _thread, cpu in list(_LOG):
+            if name == "frame received>":
+                start = at
+                turns.append([])
+            if turns:
+                turns[-1].append((name, (at - start) * 1000, cpu))
+        sends = [t for t in turns if any(e[0] == "submit>" for e in t)][_SKIP:]
+        reached: dict[str, list[float]] = collections.defaultdict(list)
+        inside: dict[str, list[float]] = collections.defaultdict(list)
+        for events in sends:
+            seen: set[str] = set()
+            opened: dict[str, float] = {}
+            for name, since, cpu in events:
+                if name not in seen:
+                    seen.add(name)
+                    reached[name].append(since)
+                step, edge = name[:-1], name[-1]
+                if edge == ">":
+                    opened.setdefault(step, cpu)
+                elif step in opened:
+                    inside[step].append((cpu - opened.pop(step)) * 1000)
+        lines = [f"sends measured: {len(sends)} (after {_SKIP} left out)"]
+        lines += [f"not found in this code: {name}" for name in _MISSING]
+        lines.append("")
+        lines.append("step (> entered, < left)                     p50 ms since the frame")
+        for name, values in sorted(reached.items(), key=lambda kv: statistics.median(kv[1])):
+            if len(values) * 2 < len(sends):
+                continue  # a step most sends do not take
+            lines.append(f"{name:<46} {statistics.median(values):8.2f}")
+        lines.append("")
+        lines.append("step                                       thread CPU p50 ms inside")
+        for name, values in inside.items():
+            if len(values) * 2 < len(sends):
+                continue
+            lines.append(f"{name:<46} {statistics.median(values):8.2f}")
+        with open(os.environ["SEND_TIMELINE"], "w") as out:
+            out.write("\n".join(lines) + "\n")
+
+    import django
+
+    _setup = django.setup
+
+    def setup(*args: Any, **kwargs: Any) -> Any:
+        result = _setup(*args, **kwargs)
+        if not getattr(setup, "installed", False):
+            setup.installed = True  # type: ignore[attr-defined]
+            _install()
+        return result
+
+    django.setup = setup
+    signal.signal(signal.SIGUSR2, _write)

@@ -13,11 +13,13 @@ request, the snapshot, the socket's frames, every call on the database threads) 
 the time and the thread's CPU time at entry and exit. The first five sends are left out.
 
 It prints, per step, the median time since the frame arrived (`>` when the step was entered,
-`<` when it was left) and the median CPU the running thread spent inside it: the hops between
+`<` when it was left) and the median CPU its thread spent between the two: the hops between
 threads show as gaps between one step's end and the next one's start on another thread, and
-a step whose wall time is much longer than its CPU waited (for a server, or for the
-interpreter lock). The wrappers add a few microseconds per step; read the figures beside each
-other, not as the platform's own latency (`compare_bench.py` measures that).
+a step on a database thread whose wall time is much longer than its CPU waited (for a
+server, or for the interpreter lock). A step on the event loop (a coroutine) counts the
+loop's CPU while it was under way, the other tasks' included. The wrappers add a few
+microseconds per step; read the figures beside each other, not as the platform's own latency
+(`compare_bench.py` measures that).
 """
 
 from __future__ import annotations

@@ -105,10 +105,10 @@ async def test_a_send_to_an_idle_dialog_reaches_the_model_after_one_or_two_hand_
     make_engine, fake_model, recorder, user, settings, monkeypatch
 ):
     # covers: G6 (issue 10 item 2: the send admitted, claimed under the lease and its user
-    # message recorded in one trip to a database thread, the model request right after: where
-    # the admission is round trips to a server, the turn's input is built from the context
-    # it read with its lock as soon as it commits, handed on by its own thread, not by the
-    # event loop after it; on SQLite the build is the one trip after the admission)
+    # message recorded in one trip to a database thread, the model request right after: the
+    # turn's input is built as soon as the admission has decided (where the admission is
+    # round trips to a server, from the context it read with its lock) or committed (SQLite),
+    # handed on by the admission's own thread, not by the event loop after it)
     from chatcore.common import dbthreads
 
     settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
@@ -142,10 +142,8 @@ async def test_a_send_to_an_idle_dialog_reaches_the_model_after_one_or_two_hand_
     finally:
         gate.set()
     assert (await rec.terminal(ack.turn_id))["status"] == "completed"
-    # PostgreSQL: the admission, which reads the context with its lock and hands the build on
-    # itself; SQLite: the admission, then the build.
-    hand_offs = 1 if connection.vendor == "postgresql" else 2
-    assert len(from_loop) <= hand_offs, "\n".join(from_loop)
+    # The admission, which hands the build on itself.
+    assert len(from_loop) <= 1, "\n".join(from_loop)
     # The model saw the whole dialog, the new message last.
     assert [m["content"] for m in fake_model.turn_requests()[-1].messages[1:-1]] == [
         "earlier",

@@ -256,6 +256,25 @@ def test_memory_follows_successful_appends_without_rereading(user: Any) -> None:
     assert [(m.seq, m.content) for m in rows][1:] == [(2, "hi")]
 
 
+def test_an_append_already_read_after_its_commit_keeps_the_history_held(user: Any) -> None:
+    # covers: A5, G6 (a send's input is built from the moment its admission commits, and that
+    # build may read the new message before the admission records it: the record then
+    # changes nothing, and the dialog's history stays held for its next turns)
+    session = create(user)
+    states = SessionStates()
+    states.history(fresh(session))
+    appended = services.messages_append(session_pk=session.pk, messages=[user_msg("hi")])
+    assert [m.seq for m in states.history(fresh(session))] == [1, 2]  # read after the commit
+    states.apply_appended(appended)  # recorded after that read: nothing new
+    answered = services.messages_append(session_pk=session.pk, messages=[assistant_msg("yes")])
+    states.apply_appended(answered)
+    reloaded = fresh(session)
+    with CaptureQueriesContext(connection) as queries:
+        rows = states.history(reloaded)
+    assert len(queries) == 0
+    assert [(m.seq, m.content) for m in rows][1:] == [(2, "hi"), (3, "yes")]
+
+
 def test_history_after_clearing_holds_only_the_new_messages(user: Any) -> None:
     # covers: A3, A5
     session = create(user)

@@ -73,7 +73,7 @@ if os.environ.get("SEND_TIMELINE"):
         _wrap(engine.Engine, "submit", "submit")
         _wrap(queue, "admit_and_start", "admission")
         _wrap(queue, "lock_for_admission", "locked row and counts")
-        _wrap(engine.Engine, "_prepare_beside", "input built beside")
+        _wrap(engine.Engine, "_prepare_early", "input built beside")
         _wrap(worker.Workers, "start_claimed", "worker started")
         _wrap(worker.Workers, "hand_off", "handed to the worker")
         _wrap(worker.Workers, "_run_turn", "turn run")

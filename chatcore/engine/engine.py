@@ -28,7 +28,7 @@ from typing import Any
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.db import connection
+from django.db import connection, transaction
 
 from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
@@ -219,8 +219,26 @@ class Engine:
             # its last admission).
             if started.context is not None:
                 started.prepared = start_on_db(
-                    functools.partial(self._prepare_beside, started), first=True
+                    functools.partial(self._prepare_early, started, committed=False), first=True
                 )
+
+        def build_once_committed(started: queue.Started) -> None:
+            # G6, SQLite: the same build, handed to another database thread the moment the
+            # admission commits (its context read there, not inside the write transaction,
+            # which would hold the write lock longer): the worker's first step is the model
+            # request, with no trip back to the loop and out again before it.
+            def start() -> None:
+                started.prepared = start_on_db(
+                    functools.partial(self._prepare_early, started, committed=True), first=True
+                )
+
+            transaction.on_commit(start, robust=True)
+
+        on_started = None
+        if context_chars is not None:
+            on_started = build_beside
+        elif self.writes is not None and inbound.mode in ("send", "steer"):
+            on_started = build_once_committed
 
         def admit() -> tuple[Ack, queue.Started | None]:
             return queue.admit_and_start(
@@ -231,7 +249,7 @@ class Engine:
                 start_as=start_as,
                 held=held,
                 charge=charged,
-                on_started=build_beside if context_chars is not None else None,
+                on_started=on_started,
                 context_chars=context_chars,
             )
 
@@ -253,7 +271,7 @@ class Engine:
                 session,
                 start_as,
                 charge=charged,
-                on_started=build_beside if context_chars is not None else None,
+                on_started=on_started,
                 context_chars=context_chars,
             )
             ack, started = await self.admissions.admit(admission, alone)
@@ -267,10 +285,13 @@ class Engine:
             await self.kick(session.pk)
         return ack
 
-    def _prepare_beside(self, started: queue.Started) -> PreparedInput | None:
-        """On a database thread, while the admission commits: the started turn's input, or
-        None for the worker to build (`prepare`)."""
+    def _prepare_early(self, started: queue.Started, *, committed: bool) -> PreparedInput | None:
+        """On a database thread, a started turn's input: while its admission commits, from the
+        context it read (`prepare_beside`), or once it has committed (SQLite,
+        `prepare_committed`). None for the worker to build (`prepare`)."""
         try:
+            if committed:
+                return self.builder.prepare_committed(started.session, started.appended)
             return self.builder.prepare_beside(started.session, started.context, started.appended)
         except Exception:
             logger.warning(

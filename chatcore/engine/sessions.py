@@ -292,6 +292,13 @@ class SessionStates:
                 return
             if (
                 state.generation == appended.session.generation
+                and state.last_seq >= appended.revision
+            ):
+                # Held already: read after the write committed, or recorded by the build
+                # that began at its commit (`TurnInputBuilder.prepare_committed`).
+                state.last_used = time.monotonic()
+            elif (
+                state.generation == appended.session.generation
                 and state.last_seq == appended.base_revision
             ):
                 state.extend(appended.messages)

@@ -290,6 +290,20 @@ class TurnInputBuilder:
         )
         return self._build(session.pk, runtime, session=session, found=found, appended=appended)
 
+    def prepare_committed(
+        self, session: Session, appended: services.Appended | None
+    ) -> PreparedInput:
+        """A send's turn input, built on a database thread as soon as its admission, which
+        started its turn, has committed (`Engine.submit`, G6, SQLite): the context read here,
+        on the row the admission left. The messages it `appended` are recorded in the history
+        cache first (committed, so they may be, A4; the admission records them too, once)."""
+        if appended is not None:
+            self.states.apply_appended(appended)
+        runtime = RuntimeInfo(
+            channel=session.channel, dialog_id=session.dialog_id, title=session.title
+        )
+        return self._build(session.pk, runtime, session=session)
+
     def _build(
         self,
         session_pk: str,

@@ -313,6 +313,9 @@ class HeldScheduler:
             self.asked.append(str(kwargs["session_pk"]))
             self.gate.wait(30)
 
+    def warm(self) -> None:
+        pass
+
 
 async def test_a_long_dialogs_answer_never_waits_for_its_compaction_to_be_scheduled(
     model, fake_model, make_engine, recorder, user

@@ -4,8 +4,10 @@ enqueued by name). Also the import contract itself (STYLE 15)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.test import override_settings
 
+from chatcore.engine import jobs
 from chatcore.engine.scheduler import CeleryScheduler
 from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.test_engine_turns import terminals
@@ -69,3 +72,45 @@ def test_the_import_contract_holds() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout
+
+
+@pytest.mark.redis
+def test_the_broker_is_connected_at_start_and_the_first_job_goes_over_that_connection(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # covers: B4, B5, G6 (issue 10: Celery's first send in a process imports the broker's
+    # transport and connects, about 0.1 s of the interpreter, which every stream of the
+    # process paid when its first title or summary was scheduled; the engine's start does it)
+    import redis
+    from celery import Celery
+
+    name = f"warm-{uuid.uuid4().hex[:8]}"
+    queue = f"test-{name}"
+    app = Celery(name, broker=redis_url, set_as_current=False)
+    app.conf.update(task_default_queue=queue, broker_transport_options={"client_name": name})
+    probe = redis.Redis.from_url(redis_url)
+
+    def connections() -> int:
+        return sum(1 for c in probe.client_list() if c.get("name") == name)
+
+    scheduler = CeleryScheduler(app=app)
+    try:
+        assert connections() == 0
+        scheduler.warm()
+        made = connections()
+        assert made >= 1
+        cache.delete(jobs.guard_key("generate_title", name))
+        scheduler.schedule("generate_title", session_pk=name)  # outside a transaction: now
+        assert probe.llen(queue) == 1  # enqueued
+        assert connections() == made  # over the connection made at start
+    finally:
+        cache.delete(jobs.guard_key("generate_title", name))
+        probe.delete(queue)
+        app.close()
+
+    # A broker that is away at start is no error: it is said, and the first job connects.
+    away = Celery(f"{name}-away", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    caplog.set_level(logging.WARNING, logger="chatcore.engine.scheduler")
+    CeleryScheduler(app=away).warm()
+    assert "could not reach the broker at start" in caplog.text
+    away.close()

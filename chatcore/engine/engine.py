@@ -154,8 +154,12 @@ class Engine:
                 self.supervisor.spawn("layer-watch", self.layer_watch.run(layer), daemon=True)
         self.supervisor.spawn("sweep", control.sweep_loop(self), daemon=True)
         self.workers.start()
-        # Load the tokenizer's tables now, off the loop, not in the first turn's build.
-        await asyncio.to_thread(lambda: self.builder.counter)
+        # Load the tokenizer's tables now, off the loop, not in the first turn's build; and
+        # ready the scheduler (scaled mode: the broker), not in the first job's scheduling.
+        await asyncio.gather(
+            asyncio.to_thread(lambda: self.builder.counter),
+            asyncio.to_thread(self.scheduler.warm),
+        )
 
     async def shutdown(self, grace: float | None = None) -> None:
         """Refuse new work, end running turns as interrupted (their queued successors stay

@@ -41,6 +41,10 @@ class Scheduler(Protocol):
         """Start `job` (a key of `TASK_NAMES`) off the caller's path. Callable from sync code
         (inside a transaction: the job starts only after commit) and never raises."""
 
+    def warm(self) -> None:
+        """Make ready, once at the server's start and off its loop, what the process's first
+        `schedule` would otherwise set up while turns stream. Never raises."""
+
 
 def _take_guard(job: str, session_pk: str) -> bool:
     try:
@@ -66,12 +70,34 @@ def _drop_guard(job: str, session_pk: str) -> None:
 class CeleryScheduler:
     """Scaled mode: enqueue by task name after the caller's transaction commits."""
 
-    def __init__(self, send_task: Callable[..., Any] | None = None) -> None:
-        if send_task is None:
+    def __init__(self, send_task: Callable[..., Any] | None = None, *, app: Any = None) -> None:
+        """`app`: the Celery app to enqueue on (`chatcore.celery.app` by default); `send_task`:
+        in its place, a function that takes the task (a test's)."""
+        if send_task is None and app is None:
             from chatcore.celery import app
+        self._app = app if send_task is None else None
+        self._send_task = send_task or app.send_task
 
-            send_task = app.send_task
-        self._send_task = send_task
+    def warm(self) -> None:
+        """What Celery's first `send_task` in a process does before it sends: import the
+        broker's transport and the result backend's, make the producer pool, connect. That
+        took about 0.1 s of the interpreter (most of it imports), which the first title or
+        summary scheduled during traffic cost every stream of the process. A broker away now
+        is no error here: the first send connects, as it would have."""
+        if self._app is None:
+            return
+        try:
+            self._app.backend  # noqa: B018 (resolved on first use: an import)
+            with self._app.producer_or_acquire() as producer:
+                producer.connection.ensure_connection(max_retries=1)
+                channel = producer.connection.default_channel
+                # Redis: the client the sends use, connected in its turn.
+                acquire = getattr(channel, "conn_or_acquire", None)
+                if acquire is not None:
+                    with acquire() as client:
+                        client.ping()
+        except Exception as exc:
+            logger.warning("could not reach the broker at start: %s", type(exc).__name__)
 
     def schedule(self, job: str, **kwargs: Any) -> None:
         session_pk = str(kwargs["session_pk"])
@@ -132,6 +158,9 @@ class InProcessScheduler:
         # asgiref would take the job's own sync_to_async calls for nested ones and refuse them.
         loop.call_soon_threadsafe(spawn, context=contextvars.Context())
 
+    def warm(self) -> None:
+        """Nothing to make ready: the jobs run in this process."""
+
 
 class NoScheduler:
     """No engine in this process and no Celery (embedded mode outside the server): the job
@@ -139,3 +168,6 @@ class NoScheduler:
 
     def schedule(self, job: str, **kwargs: Any) -> None:
         logger.info("no engine to run %s in-process; skipped", job)
+
+    def warm(self) -> None:
+        """Nothing to make ready."""

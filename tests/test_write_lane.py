@@ -56,6 +56,35 @@ async def test_a_burst_of_sends_is_admitted_in_a_few_trips_and_every_one_runs(
         assert len(texts) == 2
 
 
+async def test_work_a_call_puts_off_runs_after_its_whole_batch_and_fails_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # covers: G6 (a burst's started turns have their input built once the batch of their
+    # admissions has run, not between its writes; issue 10)
+    lane = Lane("test")
+    order: list[str] = []
+
+    def call(n: int) -> Any:
+        def run() -> int:
+            order.append(f"call {n}")
+            if n == 1:
+                dbthreads.after_batch(lambda: 1 / 0)
+            dbthreads.after_batch(lambda: order.append(f"after {n}"))
+            return n
+
+        return run
+
+    results = await asyncio.gather(*(lane.run(call(n)) for n in range(4)))
+    assert results == [0, 1, 2, 3]
+    # One batch (all four were asked for before its trip began): every call, then what they
+    # put off, in order; the one that failed was logged and the rest ran.
+    assert order == [f"call {n}" for n in range(4)] + [f"after {n}" for n in range(4)]
+    assert "work put off to a batch's end failed" in caplog.text
+    # Outside a batch, at once.
+    dbthreads.after_batch(lambda: order.append("alone"))
+    assert order[-1] == "alone"
+
+
 async def test_each_call_of_a_batch_has_its_own_result_error_and_context() -> None:
     # covers: G6, A4 (one call's failure is its own; the caller's context goes with its call)
     lane = Lane("test")

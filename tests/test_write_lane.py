@@ -56,33 +56,17 @@ async def test_a_burst_of_sends_is_admitted_in_a_few_trips_and_every_one_runs(
         assert len(texts) == 2
 
 
-async def test_work_a_call_puts_off_runs_after_its_whole_batch_and_fails_alone(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    # covers: G6 (a burst's started turns have their input built once the batch of their
-    # admissions has run, not between its writes; issue 10)
+async def test_a_call_knows_whether_it_runs_alone_or_in_a_batch() -> None:
+    # covers: G6 (a send admitted alone has its input built from its commit; in a burst the
+    # next admissions go first; issue 10)
     lane = Lane("test")
-    order: list[str] = []
-
-    def call(n: int) -> Any:
-        def run() -> int:
-            order.append(f"call {n}")
-            if n == 1:
-                dbthreads.after_batch(lambda: 1 / 0)
-            dbthreads.after_batch(lambda: order.append(f"after {n}"))
-            return n
-
-        return run
-
-    results = await asyncio.gather(*(lane.run(call(n)) for n in range(4)))
-    assert results == [0, 1, 2, 3]
-    # One batch (all four were asked for before its trip began): every call, then what they
-    # put off, in order; the one that failed was logged and the rest ran.
-    assert order == [f"call {n}" for n in range(4)] + [f"after {n}" for n in range(4)]
-    assert "work put off to a batch's end failed" in caplog.text
-    # Outside a batch, at once.
-    dbthreads.after_batch(lambda: order.append("alone"))
-    assert order[-1] == "alone"
+    assert dbthreads.batch_size() == 1  # outside a batch
+    alone = await lane.run(dbthreads.batch_size)
+    together = await asyncio.gather(*(lane.run(dbthreads.batch_size) for _ in range(4)))
+    assert alone == 1
+    # All four were asked for before their trip began: one batch.
+    assert together == [4, 4, 4, 4]
+    assert await lane.run(dbthreads.batch_size) == 1
 
 
 async def test_each_call_of_a_batch_has_its_own_result_error_and_context() -> None:

@@ -313,29 +313,22 @@ class Batch(Generic[I, R]):
             del batch, results
 
 
-# The calls a lane's batch under way on this thread has put off to its end (`after_batch`).
+# The size of the lane's batch under way on this thread (`batch_size`).
 _batch = threading.local()
 
 
-def after_batch(fn: Callable[[], object]) -> None:
-    """Run `fn` once the lane's batch under way on this thread has run all its calls (at
-    once outside a batch): work a call starts for its caller (a started turn's input build,
-    handed to another database thread) does not hold up the batch's later writes under the
-    one interpreter lock."""
-    waiting: list[Callable[[], object]] | None = getattr(_batch, "after", None)
-    if waiting is None:
-        fn()
-    else:
-        waiting.append(fn)
+def batch_size() -> int:
+    """How many calls the lane's batch under way on this thread holds (1 outside a batch):
+    a call alone may hand work on at once, where in a burst that work would hold up the
+    batch's later writes and the next batch under the one interpreter lock."""
+    return int(getattr(_batch, "size", 1))
 
 
 def _run_each(calls: list[tuple[Callable[[], Any], contextvars.Context]]) -> list[tuple[bool, Any]]:
     """Run a lane's batch, each call in its caller's context; the results go back together
-    (the turns they start begin streaming after the batch, not between its writes), and what
-    the calls put off to the batch's end runs then (`after_batch`)."""
+    (the turns they start begin streaming after the batch, not between its writes)."""
     out: list[tuple[bool, Any]] = []
-    after: list[Callable[[], object]] = []
-    _batch.after = after
+    _batch.size = len(calls)
     try:
         for fn, ctx in calls:
             try:
@@ -346,12 +339,7 @@ def _run_each(calls: list[tuple[Callable[[], Any], contextvars.Context]]) -> lis
                 # One call's broken connection is not the next one's (G5).
                 release_connections()
     finally:
-        _batch.after = None
-    for fn in after:
-        try:
-            fn()
-        except Exception:
-            logger.exception("work put off to a batch's end failed")
+        _batch.size = 1
     return out
 
 

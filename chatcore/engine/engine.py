@@ -227,17 +227,21 @@ class Engine:
                 )
 
         def build_once_committed(started: queue.Started) -> None:
-            # G6, SQLite: the same build, handed to another database thread once the
-            # admission has committed (its context read there, not inside the write
-            # transaction, which would hold the write lock longer) and its write lane's batch
-            # has ended (a burst's later admissions first): the worker's first step is the
-            # model request, with no trip back to the loop and out again before it.
+            # G6, SQLite: for a send admitted alone, the same build, handed to another
+            # database thread the moment the admission commits (its context read there, not
+            # inside the write transaction, which would hold the write lock longer): the
+            # worker's first step is the model request, with no trip back to the loop and out
+            # again before it. In a burst the next admissions go first, and each worker
+            # builds its turn's input as it starts.
+            if dbthreads.batch_size() > 1:
+                return
+
             def start() -> None:
                 started.prepared = start_on_db(
                     functools.partial(self._prepare_early, started, committed=True), first=True
                 )
 
-            transaction.on_commit(functools.partial(dbthreads.after_batch, start), robust=True)
+            transaction.on_commit(start, robust=True)
 
         on_started = None
         if context_chars is not None:

@@ -56,19 +56,6 @@ async def test_a_burst_of_sends_is_admitted_in_a_few_trips_and_every_one_runs(
         assert len(texts) == 2
 
 
-async def test_a_call_knows_whether_it_runs_alone_or_in_a_batch() -> None:
-    # covers: G6 (a send admitted alone has its input built from its commit; in a burst the
-    # next admissions go first; issue 10)
-    lane = Lane("test")
-    assert dbthreads.batch_size() == 1  # outside a batch
-    alone = await lane.run(dbthreads.batch_size)
-    together = await asyncio.gather(*(lane.run(dbthreads.batch_size) for _ in range(4)))
-    assert alone == 1
-    # All four were asked for before their trip began: one batch.
-    assert together == [4, 4, 4, 4]
-    assert await lane.run(dbthreads.batch_size) == 1
-
-
 async def test_each_call_of_a_batch_has_its_own_result_error_and_context() -> None:
     # covers: G6, A4 (one call's failure is its own; the caller's context goes with its call)
     lane = Lane("test")

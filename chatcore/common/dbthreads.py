@@ -313,33 +313,18 @@ class Batch(Generic[I, R]):
             del batch, results
 
 
-# The size of the lane's batch under way on this thread (`batch_size`).
-_batch = threading.local()
-
-
-def batch_size() -> int:
-    """How many calls the lane's batch under way on this thread holds (1 outside a batch):
-    a call alone may hand work on at once, where in a burst that work would hold up the
-    batch's later writes and the next batch under the one interpreter lock."""
-    return int(getattr(_batch, "size", 1))
-
-
 def _run_each(calls: list[tuple[Callable[[], Any], contextvars.Context]]) -> list[tuple[bool, Any]]:
     """Run a lane's batch, each call in its caller's context; the results go back together
     (the turns they start begin streaming after the batch, not between its writes)."""
     out: list[tuple[bool, Any]] = []
-    _batch.size = len(calls)
-    try:
-        for fn, ctx in calls:
-            try:
-                out.append((True, ctx.run(fn)))
-            except Exception as exc:
-                out.append((False, exc))
-            finally:
-                # One call's broken connection is not the next one's (G5).
-                release_connections()
-    finally:
-        _batch.size = 1
+    for fn, ctx in calls:
+        try:
+            out.append((True, ctx.run(fn)))
+        except Exception as exc:
+            out.append((False, exc))
+        finally:
+            # One call's broken connection is not the next one's (G5).
+            release_connections()
     return out
 
 

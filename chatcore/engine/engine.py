@@ -227,15 +227,10 @@ class Engine:
                 )
 
         def build_once_committed(started: queue.Started) -> None:
-            # G6, SQLite: for a send admitted alone, the same build, handed to another
-            # database thread the moment the admission commits (its context read there, not
-            # inside the write transaction, which would hold the write lock longer): the
-            # worker's first step is the model request, with no trip back to the loop and out
-            # again before it. In a burst the next admissions go first, and each worker
-            # builds its turn's input as it starts.
-            if dbthreads.batch_size() > 1:
-                return
-
+            # G6, SQLite: the same build, handed to another database thread the moment the
+            # admission commits (its context read there, not inside the write transaction,
+            # which would hold the write lock longer): the worker's first step is the model
+            # request, with no trip back to the loop and out again before it.
             def start() -> None:
                 started.prepared = start_on_db(
                     functools.partial(self._prepare_early, started, committed=True), first=True

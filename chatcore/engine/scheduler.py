@@ -73,10 +73,12 @@ class CeleryScheduler:
     def __init__(self, send_task: Callable[..., Any] | None = None, *, app: Any = None) -> None:
         """`app`: the Celery app to enqueue on (`chatcore.celery.app` by default); `send_task`:
         in its place, a function that takes the task (a test's)."""
-        if send_task is None and app is None:
+        if send_task is not None:
+            self._app, self._send_task = None, send_task
+            return
+        if app is None:
             from chatcore.celery import app
-        self._app = app if send_task is None else None
-        self._send_task = send_task or app.send_task
+        self._app, self._send_task = app, app.send_task
 
     def warm(self) -> None:
         """What Celery's first `send_task` in a process does before it sends: import the

@@ -9,6 +9,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Length
 from django.utils import timezone
 
 
@@ -138,12 +139,25 @@ class Message(models.Model):
     turn = models.ForeignKey(
         "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="messages"
     )
+    # The content's length in characters, kept by the database on every write: a turn's
+    # context window sums it over the dialog's history (`selectors.TurnContextStatement`)
+    # without reading any message's text, which cost time in proportion to the whole
+    # history's size before every first token.
+    content_chars = models.GeneratedField(
+        expression=Length("content"), output_field=models.IntegerField(), db_persist=True
+    )
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["session", "seq"], name="uniq_message_seq"),
         ]
-        indexes = [models.Index(fields=["session", "seq"], name="idx_messages_session_seq")]
+        indexes = [
+            # The window's sum reads this index alone on PostgreSQL (an index-only scan,
+            # newest first), not the messages' rows.
+            models.Index(
+                fields=["session", "seq"], include=["content_chars"], name="idx_message_chars"
+            )
+        ]
         ordering = ["seq"]
 
     def __str__(self) -> str:

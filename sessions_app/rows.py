@@ -3,8 +3,9 @@
 Writes: each value goes through its field's own conversion for the database
 (`get_db_prep_save`, as `Model.save` does), so JSON, UUIDs and datetimes are stored exactly
 as the ORM stores them; a text, integer or boolean value already of its field's Python type
-is passed as it is, which is what that conversion returns for it. Reads: the row's columns
-go through the converters the ORM's compiler would apply (`from_row`). What is skipped is
+is passed as it is, which is what that conversion returns for it. A generated field is the
+database's to fill: never written, and loaded by a read, as after `save()`. Reads: the row's
+columns go through the converters the ORM's compiler would apply (`from_row`). What is skipped is
 the query compilation, which cost more than the database's own work; the statements' text is
 built once per model. The models written here have no signal receivers and client-side
 primary keys (UUID or text), so nothing `save()` would do is missed."""
@@ -161,11 +162,16 @@ def _fields(model: type[Model]) -> list[Field[Any, Any]]:
     return list(model._meta.concrete_fields)
 
 
+def _written(model: type[Model]) -> list[Field[Any, Any]]:
+    """The fields an INSERT gives values to: not those the database computes (generated)."""
+    return [f for f in _fields(model) if not f.generated]
+
+
 @functools.cache
 def _insert_sql(model: type[Model], vendor: str, count: int) -> str:
     opts = model._meta
-    columns = ", ".join(_quote(connection, f.column) for f in _fields(model))
-    marks = "(" + ", ".join(["%s"] * len(_fields(model))) + ")"
+    columns = ", ".join(_quote(connection, f.column) for f in _written(model))
+    marks = "(" + ", ".join(["%s"] * len(_written(model))) + ")"
     return (
         f"INSERT INTO {_quote(connection, opts.db_table)} ({columns})"  # noqa: S608
         f" VALUES {', '.join([marks] * count)}"
@@ -181,7 +187,7 @@ def insert(objs: Sequence[Model]) -> None:
     if opts.pk is None or opts.pk.db_returning:
         raise ValueError(f"{opts.label}: rows.insert needs a client-side primary key")
     conn = connections[DEFAULT_DB_ALIAS]
-    fields = _fields(model)
+    fields = _written(model)
     params = [_db_value(field, obj, True, conn) for obj in objs for field in fields]
     _write(_insert_sql(model, conn.vendor, len(objs)), params)
     for obj in objs:

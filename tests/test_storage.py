@@ -440,6 +440,37 @@ def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_l
     assert window(other, 5) == 0
 
 
+def test_the_window_counts_characters_of_messages_however_they_were_written(user):
+    # covers: F7, C7 (the window sums each message's length as the database keeps it, in
+    # characters: text beyond ASCII counts as the model reads it, not by its bytes)
+    from sessions_app import selectors
+    from sessions_app.models import Compaction
+
+    session = create(user)
+    start = fresh(session).last_seq
+    Compaction.objects.create(session=session, through_seq=start, summary="before")
+    # Through the turn's own writes (one statement) ...
+    services.messages_append(
+        session_pk=session.pk, messages=[user_msg("é" * 10), user_msg("\U0001f600" * 10)]
+    )
+    # ... and through the ORM, as an operator's tool or a migration would write one.
+    Message.objects.create(session=session, seq=start + 3, role=Role.USER, content="ü" * 10)
+    seqs = stored_seqs(session)[-3:]
+    assert list(
+        Message.objects.filter(seq__in=seqs).order_by("seq").values_list("content_chars", flat=True)
+    ) == [10, 10, 10]
+
+    def window(max_chars: int) -> int:
+        found = selectors.turn_context(session_pk=session.pk, owner_id=user.pk, max_chars=max_chars)
+        return found.window_start
+
+    # 20 characters fill exactly with the two newest (28 and 30 bytes in UTF-8); the third
+    # crosses the limit and is still read.
+    assert window(20) == seqs[0] - 1
+    assert window(30) == start
+    assert window(9) == seqs[2] - 1
+
+
 @pytest.mark.parametrize("coming", [3, 12, 40])
 def test_a_context_read_ahead_of_a_message_gives_the_window_its_append_will(user, coming):
     # covers: F7, G6 (a send's context read while its admission runs: the same window as a

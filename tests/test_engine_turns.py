@@ -240,6 +240,60 @@ async def test_stop_mid_stream_closes_connection_and_keeps_partial(
         await rec.until(lambda f: f["type"] == "turn_updated", timeout=0.5)
 
 
+async def test_a_stop_before_the_first_token_frees_the_model_call_at_once(
+    make_engine, fake_model, recorder, user, make_user
+):
+    # covers: C6, F7, G6 (a stop while the model has not answered yet ends the request and
+    # gives its model slot back: with one slot, another user's send is answered next; on
+    # PostgreSQL that request went out as the admission committed, before the worker ran)
+    never = threading.Event()
+    fake_model.script(Reply(text="", gate=never), Reply(text="the other answer"))
+    with chat_cfg(MODEL_CALLS_MAX=1):
+        engine = await make_engine()
+    session = await make_dialog(user)
+    other = await make_dialog(await sync_to_async(make_user)())
+    rec = await recorder(chat_group_of(session))
+    other_rec = await recorder(chat_group_of(other))
+    ack = await send(engine, session, "a question the model sits on")
+    await fake_model.requests_made(1)
+    result = await engine.stop(session)
+    assert result.stopped_running
+    done = await terminals(rec, [ack.turn_id])
+    assert done[ack.turn_id]["status"] == "cancelled" and done[ack.turn_id]["reason"] == "stopped"
+    other_ack = await send(engine, other, "and mine?")
+    answered = await terminals(other_rec, [other_ack.turn_id])
+    assert answered[other_ack.turn_id]["status"] == "completed"
+    assert (await history(other))[-1].content == "the other answer"
+    assert len(fake_model.requests) == 2
+    never.set()
+
+
+async def test_a_send_started_at_admission_asks_the_model_what_a_queued_one_asks(
+    make_engine, fake_model, recorder, user
+):
+    # covers: G6, E5, C8 (the first request sent as the admission commits carries the same
+    # tools, answer limit and stream options as one its worker makes; one request a turn)
+    gate = threading.Event()
+    fake_model.script(Reply(text="first", gate=gate), Reply(text="second"))
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    started = await send(engine, session, "one")
+    await fake_model.requests_made(1)
+    queued = await send(engine, session, "two")
+    assert queued.position == 1
+    gate.set()
+    done = await terminals(rec, [started.turn_id, queued.turn_id])
+    assert {done[t]["status"] for t in done} == {"completed"}
+    first, second = (r.body for r in fake_model.requests)
+    assert len(fake_model.requests) == 2
+    assert sorted(first) == sorted(second)
+    assert first["tools"] == second["tools"] and first["tools"]
+    assert first["stream_options"] == second["stream_options"]
+    limit = next(k for k in ("max_tokens", "max_completion_tokens") if k in first)
+    assert 0 < first[limit] and 0 < second[limit] <= first[limit]
+
+
 async def test_stop_drops_queued_sends_and_staged_steers(make_engine, fake_model, recorder, user):
     # covers: C6, C2
     engine = await make_engine()

@@ -18,7 +18,7 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 
 from tests.engine_helpers import chat_group_of, make_dialog, send
-from tests.fakemodel import Reply
+from tests.fakemodel import Reply, strip_runtime
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 
@@ -558,6 +558,42 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     # The first turn's request came once the first admissions were through, not after the
     # admissions queued behind them (without the order: after two thirds of the burst).
     assert log[: log.index("model request")].count("admitted") <= dbthreads.thread_count(), log
+
+
+@pytest.mark.postgres
+async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for_it(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: G6 (issue 10: on PostgreSQL the request is sent from the loop once the
+    # admission has committed and the input built beside it is ready, ahead of the trip back
+    # to the sender and on to the worker; the worker's runner takes it as its first step's:
+    # one request a turn, sends that follow an answer at once included)
+    from chatcore.engine.turns.runner import OpenedRequest
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    taken: list[OpenedRequest] = []
+    real_take = OpenedRequest.take
+
+    def take(self: OpenedRequest) -> Any:
+        taken.append(self)
+        return real_take(self)
+
+    monkeypatch.setattr(OpenedRequest, "take", take)
+    engine = await make_engine(name="opened")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    for i in range(3):
+        fake_model.script(Reply(text=f"answer {i}"))
+        ack = await send(engine, session, f"question {i}")
+        assert (await rec.terminal(ack.turn_id))["status"] == "completed"
+    assert len(taken) == 3
+    requests = fake_model.turn_requests()
+    assert len(requests) == 3
+    for i, (opened, request) in enumerate(zip(taken, requests, strict=True)):
+        assert strip_runtime(request.messages[-1]["content"]) == f"question {i}"
+        assert opened.request.max_tokens == next(
+            request.body[k] for k in ("max_tokens", "max_completion_tokens") if k in request.body
+        )
 
 
 def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() -> None:

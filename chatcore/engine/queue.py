@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth.models import User
 from django.db import DatabaseError, connection, transaction
@@ -50,6 +50,9 @@ from .sessions import SessionStates
 from .turns.builder import CONTINUE_INSTRUCTION, PreparedInput
 from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
+
+if TYPE_CHECKING:
+    from .turns.runner import OpenedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +305,11 @@ class Started:
     # The turn's input, being built from that read while the admission commits
     # (`Engine.submit`); None (or a None result): the worker builds it.
     prepared: concurrent.futures.Future[PreparedInput | None] | None = None
+    # Its first model request, sent once the admission committed and the input was built,
+    # for the worker's runner to take (`Workers.open_first_request`); `may_open` is False
+    # from the moment the worker went past the point of taking it. Both on the event loop.
+    opened: OpenedRequest | None = None
+    may_open: bool = True
 
 
 def _admit_locked(

@@ -49,7 +49,7 @@ from .turns.outcome import (
     TurnOutcome,
     present_failure,
 )
-from .turns.runner import TurnRunner, TurnSnapshot
+from .turns.runner import FirstRequest, OpenedRequest, TurnRunner, TurnSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class Workers:
             # The turn stays marked running; the next holder of the lease closes it (C11).
             self._leases.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
+            await self._close_opened(started)
             await on_db(queue.release_lease)(started.lease)
 
     def lingering_lease(self, session_pk: str) -> Lease | None:
@@ -199,6 +200,7 @@ class Workers:
         (C11), and the delta goes out from here."""
         session_pk = started.session.pk
         if not self.running(session_pk):
+            await self._close_opened(started)
             if started.appended is not None:
                 self._announce(started.appended, started.turn)
             logger.warning(
@@ -209,6 +211,40 @@ class Workers:
             return
         self._handed[session_pk] = started
         self._wakeups[session_pk].set()
+
+    def open_first_request(self, started: queue.Started) -> None:
+        """G6: send a started turn's first model request now, before its worker runs it: on
+        the loop, as soon as its admission committed and its input was built (`Engine.submit`
+        schedules it from the database thread that finished last). The model works while the
+        turn goes back to the loop and on to its worker, which takes the request as its first
+        step's (`TurnRunner.opened`). Nothing when the worker is past that point already, the
+        input was not built, the process is closing, or the turn is not a plain send."""
+        building = started.prepared
+        if (
+            not started.may_open
+            or started.opened is not None
+            or self.closing
+            or started.turn.mode != TurnMode.SEND
+            or building is None
+            or not building.done()
+            or building.exception() is not None
+        ):
+            return
+        prepared = building.result()
+        if prepared is None:
+            return
+        request = FirstRequest.of(
+            prepared, builder=self.builder, tools=self.tools, max_steps=self.cfg["MAX_STEPS"]
+        )
+        started.opened = OpenedRequest(self.provider, prepared, request)
+
+    async def _close_opened(self, started: queue.Started) -> None:
+        """Close the first request opened for a turn that is not run here (`Started.opened`),
+        and open none for it from now on."""
+        started.may_open = False
+        opened, started.opened = started.opened, None
+        if opened is not None:
+            await opened.aclose()
 
     def _announce(self, appended: services.Appended, turn: Turn) -> asyncio.Task[None]:
         return self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
@@ -313,6 +349,7 @@ class Workers:
             if unrun is not None:
                 # Left to the next holder of the lease (C11); its message is stored.
                 self._announcer(unrun)()
+                await self._close_opened(unrun)
             self._found_empty.discard(session_pk)
             self._party_idle.discard(session_pk)
             self._wakeups.pop(session_pk, None)
@@ -425,6 +462,7 @@ class Workers:
         announce = self._announcer(started, local)
         self.local[turn_id] = local
         generation = started.generation
+        opened: OpenedRequest | None = None
         try:
             sink = sink_for_channel(session.channel)
             if sink is not None:
@@ -482,6 +520,10 @@ class Workers:
             async def fetch_staged() -> list[Any]:
                 return await on_db(take_staged)(turn=turn, fence=held)
 
+            # The first request, if it went out already (`open_first_request`): the runner
+            # takes it, and none is opened from here on.
+            started.may_open = False
+            opened, started.opened = started.opened, None
             runner = TurnRunner(
                 provider=self.provider,
                 tools=self.tools,
@@ -496,6 +538,7 @@ class Workers:
                 exclude_turn_partials=exclude,
                 continues=continues,
                 lead=lead,
+                opened=opened,
             )
             outcome = await self._run_cancellable(
                 local, runner, prepared, after_request=after_request
@@ -506,6 +549,9 @@ class Workers:
         finally:
             announce()  # a turn that ended before its request: the message is stored
             self.local.pop(turn_id, None)
+            if opened is not None:
+                await opened.aclose()  # a runner cancelled before it ran; else nothing
+            await self._close_opened(started)
 
     def _schedule_compaction(self, session_pk: str) -> None:
         """B5: a compaction for the dialog, scheduled beside the turn, not before its model

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from django.conf import settings
 from sessions_app.models import MessageKind, MessageStatus
 
 from ..provider_errors import answer_token_limit, merge_usage
-from ..provider_types import ChatProvider, Completion, ProviderError, TextDelta
+from ..provider_types import ChatProvider, Completion, ProviderError, ProviderEvent, TextDelta
 from ..tools import ToolContext, ToolRegistry
 from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
 from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome
@@ -106,6 +106,88 @@ FIRST_DELTA_YIELDS = 5
 FIRST_FRAME_WAIT_SECONDS = 0.05
 
 
+@dataclass(frozen=True)
+class FirstRequest:
+    """What a turn's first model request asks for, from the turn's input (`TurnRunner.run`'s
+    first step; an `OpenedRequest` makes the same one before the runner exists)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    max_tokens: int
+
+    @classmethod
+    def of(
+        cls,
+        prepared: PreparedInput,
+        *,
+        builder: TurnInputBuilder,
+        tools: ToolRegistry,
+        max_steps: int,
+        answer_tokens: int | None = None,
+    ) -> FirstRequest:
+        return cls(
+            messages=list(prepared.messages),
+            tools=None if max_steps <= 1 else (tools.schemas() or None),
+            max_tokens=answer_token_limit(
+                context_window=builder.context_window,
+                input_tokens=prepared.estimated_tokens,
+                configured=settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens,
+            ),
+        )
+
+
+# The end of a stream, as `anext` returns it to the task reading an opened request's first event.
+_ENDED = object()
+
+
+class OpenedRequest:
+    """A turn's first model request, sent before its runner asks for it (G6): from the
+    moment the turn's admission committed and its input was built, while the turn goes to
+    its worker, so the model works meanwhile. A task of its own sends it and reads its first
+    event (a provider error included, retries and all, as the runner's own request would);
+    the runner then takes the stream from there (`take`), or it is closed unread (`aclose`),
+    which frees its model slot and its connection. Made and used on the event loop."""
+
+    def __init__(self, provider: ChatProvider, prepared: PreparedInput, request: FirstRequest):
+        self.prepared = prepared
+        self.request = request
+        self._stream = provider.stream(
+            messages=request.messages,
+            tools=request.tools,
+            purpose="turn",
+            max_tokens=request.max_tokens,
+        )
+        self._first: asyncio.Task[Any] = asyncio.ensure_future(anext(self._stream, _ENDED))
+        self.taken = False
+
+    def take(self) -> AsyncIterator[ProviderEvent]:
+        """The stream, from its first event on (once)."""
+        assert not self.taken
+        self.taken = True
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[ProviderEvent]:
+        # Cancelled while it waits, the first read is cancelled with it (and the stream with
+        # that read).
+        first = await self._first
+        if first is _ENDED:
+            return
+        yield first
+        async for event in self._stream:
+            yield event
+
+    async def aclose(self) -> None:
+        """Close a request nobody took: its first read cancelled, its stream closed."""
+        if self.taken:
+            return
+        self.taken = True
+        self._first.cancel()
+        with contextlib.suppress(BaseException):
+            await self._first
+        with contextlib.suppress(Exception):
+            await self._stream.aclose()  # type: ignore[attr-defined]
+
+
 class TurnRunner:
     def __init__(
         self,
@@ -123,6 +205,7 @@ class TurnRunner:
         continues: str | None = None,
         lead: list[PendingMessage] | None = None,
         answer_tokens: int | None = None,
+        opened: OpenedRequest | None = None,
     ) -> None:
         self.provider = provider
         self.tools = tools
@@ -148,6 +231,9 @@ class TurnRunner:
         # Model input recorded during the turn (tool calls, results, steers) and not yet in
         # `input_tokens`: counted when a next request needs it, off the loop (F7).
         self._uncounted: list[dict[str, Any]] = []
+        # The first request, already sent for this turn's input (`OpenedRequest`): the first
+        # step takes it when it asks for the same; otherwise it is closed.
+        self.opened = opened
 
     @property
     def step_text(self) -> str:
@@ -165,14 +251,37 @@ class TurnRunner:
         return self.step_text
 
     async def run(self, prepared: PreparedInput) -> TurnOutcome:
-        messages = list(prepared.messages)
+        try:
+            return await self._run(prepared)
+        finally:
+            if self.opened is not None:
+                await self.opened.aclose()  # not taken (or taken: nothing to do)
+
+    async def _run(self, prepared: PreparedInput) -> TurnOutcome:
+        first = FirstRequest.of(
+            prepared,
+            builder=self.builder,
+            tools=self.tools,
+            max_steps=self.max_steps,
+            answer_tokens=self.answer_tokens,
+        )
+        messages = first.messages
         self.input_tokens = prepared.estimated_tokens
         self._uncounted.clear()
+        opened = self.opened
+        if opened is not None and (
+            opened.prepared is not prepared
+            or (opened.request.tools, opened.request.max_tokens) != (first.tools, first.max_tokens)
+        ):
+            # Opened for other input or with other limits: not this turn's first request.
+            await opened.aclose()
         step = 0
         while True:
             step += 1
             last_step = step >= self.max_steps
-            tools = None if last_step else (self.tools.schemas() or None)
+            tools = (
+                first.tools if step == 1 else None if last_step else self.tools.schemas() or None
+            )
             try:
                 completion = await self._one_request(messages, tools)
             except ProviderError as exc:
@@ -292,9 +401,14 @@ class TurnRunner:
             separator_pending = True
         else:
             separator_pending = False
-        stream = self.provider.stream(
-            messages=messages, tools=tools, purpose="turn", max_tokens=self.max_tokens()
-        )
+        opened = self.opened
+        if opened is not None and not opened.taken:
+            # The first step's request, sent already for this input with these limits.
+            stream = opened.take()
+        else:
+            stream = self.provider.stream(
+                messages=messages, tools=tools, purpose="turn", max_tokens=self.max_tokens()
+            )
         # Deltas until the loop gets a turn: 0 at first, so the turn's first snapshot goes out
         # at once (F7: a model that sends its answer in one burst never holds the event loop,
         # and every other stream and socket of the process, for its whole length).

@@ -51,6 +51,8 @@ def echo_reply(request: dict[str, Any]) -> Reply:
 class RecordedRequest:
     body: dict[str, Any]
     headers: dict[str, str]
+    # The request line's target: a path, or an absolute URL when it came through as a proxy.
+    target: str = ""
     aborted: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -148,7 +150,8 @@ class FakeModelServer:
                         headers[k.strip().lower()] = v.strip()
                 length = int(headers.get("content-length", "0"))
                 body = json.loads(await reader.readexactly(length)) if length else {}
-                record = RecordedRequest(body=body, headers=headers)
+                target = lines[0].split(" ")[1] if " " in lines[0] else ""
+                record = RecordedRequest(body=body, headers=headers, target=target)
                 with self._lock:
                     self.requests.append(record)
                     reply_src = self.replies.pop(0) if self.replies else self.default

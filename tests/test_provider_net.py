@@ -18,7 +18,8 @@ import pytest
 
 from chatcore.engine.provider import OpenAIProvider, sse_payloads
 from chatcore.engine.provider_net import HIGH_WATER, ModelTransport, provider_transport
-from chatcore.engine.provider_types import Completion, ProviderError, TextDelta
+from chatcore.engine.provider_types import Completion, ProviderError, TextDelta, complete_text
+from tests.fakemodel import Reply
 from tests.procs import free_port
 
 Respond = Callable[[asyncio.StreamWriter, dict[str, Any]], Awaitable[bool]]
@@ -355,6 +356,32 @@ def test_a_proxy_in_the_environment_keeps_httpx_s_own_transport(monkeypatch) -> 
     assert isinstance(
         provider_transport("https://api.example.com/v1", limits=limits), ModelTransport
     )
+
+
+async def test_a_model_request_goes_through_the_proxy_the_environment_names(
+    fake_model, monkeypatch
+) -> None:
+    # covers: E5 (with a proxy in the environment the model request goes to it; without, to
+    # the model server itself, on our own transport)
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    messages = [{"role": "user", "content": "hi"}]
+    fake_model.script(Reply(text="straight"), Reply(text="by the proxy"))
+    direct = OpenAIProvider(base_url=fake_model.url, model="m", api_key="sk-direct")
+    assert await complete_text(direct, messages, purpose="turn") == "straight"
+    await direct.aclose()
+    monkeypatch.setenv("HTTP_PROXY", fake_model.url.removesuffix("/v1"))
+    proxied = OpenAIProvider(base_url="http://model.invalid/v1", model="m", api_key="sk-proxy")
+    assert await complete_text(proxied, messages, purpose="turn") == "by the proxy"
+    await proxied.aclose()
+    first, second = fake_model.requests
+    assert first.target == "/v1/chat/completions"
+    assert first.headers["authorization"] == "Bearer sk-direct"
+    assert second.target == "http://model.invalid/v1/chat/completions"
+    assert second.headers["host"] == "model.invalid"
+    assert second.headers["authorization"] == "Bearer sk-proxy"
+    assert first.body == second.body and first.body["stream"] is True
 
 
 def test_event_lines_are_read_whatever_their_ending() -> None:

@@ -8,6 +8,7 @@ raw bodies, URLs and keys go to the log only, scrubbed (C10).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -78,13 +79,22 @@ class OpenAIProvider:
         limits = httpx.Limits(
             max_connections=None, max_keepalive_connections=max_keepalive_connections
         )
+        # F7: HTTP/1.1 over plain asyncio connections (`provider_net`), unless a test's
+        # transport is given or the environment names a proxy.
+        self._transport = transport or provider_transport(self.base_url, limits=limits)
         self._client = httpx.AsyncClient(
-            # F7: httpx and httpcore over plain asyncio connections (`provider_net`), unless a
-            # test's transport is given or the environment names a proxy.
-            transport=transport or provider_transport(self.base_url, limits=limits),
+            transport=self._transport,
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout, pool=pool_timeout),
             limits=limits,
         )
+        # The request's URL, headers and timeouts as the client makes them, made once
+        # (`_post`): only the body changes from one request to the next.
+        template = self._client.build_request(
+            "POST", f"{self.base_url}/chat/completions", headers=self._headers()
+        )
+        del template.headers["Content-Length"]
+        self._url, self._request_headers = template.url, template.headers
+        self._extensions = template.extensions
 
     @classmethod
     def from_settings(cls, transport: httpx.AsyncBaseTransport | None = None) -> OpenAIProvider:
@@ -187,16 +197,39 @@ class OpenAIProvider:
         )
         self._set_limit(payload, sent)
 
+    @contextlib.asynccontextmanager
+    async def _post(self, body: bytes) -> AsyncIterator[httpx.Response]:
+        """The chat completion request with `body`, its response streamed: what the client's
+        `stream` does, without what it does not need on the way to every first token (the
+        URL parsed and the headers merged anew, an auth flow, redirects, a cookie jar: none
+        applies to the model server, and together they cost about as much CPU as the rest
+        of the request). The transport is the one the client's `send` would pick (a client
+        given its transport mounts no proxies); with a proxy from the environment, the
+        client's `send` picks its mount."""
+        request = httpx.Request(
+            "POST",
+            self._url,
+            headers=self._request_headers,
+            content=body,
+            extensions=self._extensions,
+        )
+        if self._transport is None:  # a proxy: the client's mount for it
+            response = await self._client.send(request, stream=True)
+        else:
+            response = await self._transport.handle_async_request(request)
+            response.request = request
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
     async def _stream_once(self, payload: dict[str, Any]) -> AsyncIterator[ProviderEvent]:
-        url = f"{self.base_url}/chat/completions"
         text_parts: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] = {}
         finish_reason = ""
         try:
-            async with self._client.stream(
-                "POST", url, content=encode_body(payload), headers=self._headers()
-            ) as resp:
+            async with self._post(encode_body(payload)) as resp:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     logger.warning("model server HTTP %s: %s", resp.status_code, scrub(body[:500]))

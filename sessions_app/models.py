@@ -152,11 +152,8 @@ class Message(models.Model):
             models.UniqueConstraint(fields=["session", "seq"], name="uniq_message_seq"),
         ]
         indexes = [
-            # The window's sum reads this index alone on PostgreSQL (an index-only scan,
-            # newest first), not the messages' rows.
-            models.Index(
-                fields=["session", "seq"], include=["content_chars"], name="idx_message_chars"
-            )
+            # The window's sum reads this index alone (newest first), not the messages' rows.
+            models.Index(fields=["session", "seq", "content_chars"], name="idx_message_chars")
         ]
         ordering = ["seq"]
 

@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
         migrations.AddIndex(
             model_name="message",
             index=models.Index(
-                fields=["session", "seq"], include=("content_chars",), name="idx_message_chars"
+                fields=["session", "seq", "content_chars"], name="idx_message_chars"
             ),
         ),
     ]

@@ -122,7 +122,10 @@ class MessageStatus(models.TextChoices):
 
 class Message(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="messages")
+    # Indexed by the (session, seq) constraint and index below, which lead with it.
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="messages", db_index=False
+    )
     seq = models.BigIntegerField()
     role = models.CharField(max_length=16, choices=Role.choices)
     content = models.TextField(blank=True, default="")
@@ -188,13 +191,17 @@ class Turn(models.Model):
     ended by exactly one terminal."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="turns")
-    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    # Both indexed by the composite indexes below, which lead with them: an index of their
+    # own is one more for every turn's insert and end to keep.
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="turns", db_index=False
+    )
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
     number = models.BigIntegerField()
     mode = models.CharField(max_length=8, choices=TurnMode.choices, default=TurnMode.SEND)
-    status = models.CharField(
-        max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED, db_index=True
-    )
+    status = models.CharField(max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED)
     reason = models.CharField(max_length=16, blank=True, default="")
     error_kind = models.CharField(max_length=32, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
@@ -220,6 +227,9 @@ class Turn(models.Model):
             models.Index(fields=["session", "status", "number"], name="idx_turn_queue"),
             # F7: a user's running turns are counted at every claim.
             models.Index(fields=["owner", "status"], name="idx_turn_owner_status"),
+            # F7: the turns queued in all dialogs (the global admission bound), the running
+            # ones of the process's sweeps.
+            models.Index(fields=["status"], name="idx_turn_status"),
         ]
         ordering = ["number"]
 
@@ -244,7 +254,10 @@ class StagedInput(models.Model):
         DROPPED = "dropped", "dropped"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="staged_inputs")
+    # Indexed by `idx_staged_session`, which leads with it.
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="staged_inputs", db_index=False
+    )
     mode = models.CharField(max_length=8, choices=Mode.choices)
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.STAGED)
     content = models.TextField()
@@ -267,13 +280,18 @@ class Compaction(models.Model):
     """A summary of history up to `through_seq` (B5). Stored messages are never rewritten."""
 
     id = models.BigAutoField(primary_key=True)
-    session = models.ForeignKey(Session, on_delete=models.CASCADE, related_name="compactions")
+    # Indexed by `idx_compaction_through`, which leads with it.
+    session = models.ForeignKey(
+        Session, on_delete=models.CASCADE, related_name="compactions", db_index=False
+    )
     through_seq = models.BigIntegerField()
     summary = models.TextField()
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["-through_seq"]
+        # Every turn's context reads a dialog's newest compaction.
+        indexes = [models.Index(fields=["session", "through_seq"], name="idx_compaction_through")]
 
     def __str__(self) -> str:
         return f"summary through #{self.through_seq}"

@@ -131,3 +131,41 @@ async def test_the_last_step_offers_no_tools(fake_model, user):
     requests = fake_model.requests
     assert len(requests) == 2
     assert requests[0].body.get("tools") and not requests[1].body.get("tools")
+
+
+async def test_closing_an_opened_request_frees_its_call_and_keeps_the_callers_cancel() -> None:
+    # covers: C6, G6 (a first request sent before its runner, closed unread: the model call
+    # ends, and a caller cancelled meanwhile, a shutdown, stays cancelled)
+    import asyncio
+
+    import httpx
+
+    from chatcore.engine.turns.builder import PreparedInput
+    from chatcore.engine.turns.runner import FirstRequest, OpenedRequest
+
+    asked = asyncio.Event()
+    released = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        asked.set()
+        try:
+            await asyncio.Event().wait()  # the model never answers
+        finally:
+            released.set()
+        raise AssertionError("unreachable")
+
+    provider = OpenAIProvider(
+        base_url="http://model.test/v1", model="m", transport=httpx.MockTransport(handler)
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    prepared = PreparedInput(messages=messages, base_generation=0, estimated_tokens=1)
+    opened = OpenedRequest(provider, prepared, FirstRequest(messages, None, 100))
+    await asyncio.wait_for(asked.wait(), 5)
+    closing = asyncio.ensure_future(opened.aclose())
+    await asyncio.sleep(0)  # the close is under way, waiting for the read to end
+    closing.cancel()
+    await asyncio.wait([closing])
+    assert closing.cancelled()
+    await asyncio.wait_for(released.wait(), 5)
+    assert opened.taken
+    await provider.aclose()

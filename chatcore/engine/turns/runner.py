@@ -177,13 +177,15 @@ class OpenedRequest:
             yield event
 
     async def aclose(self) -> None:
-        """Close a request nobody took: its first read cancelled, its stream closed."""
+        """Close a request nobody took: its first read cancelled, its stream closed. The
+        read's own outcome is dropped; a cancellation of the caller goes on as it came."""
         if self.taken:
             return
         self.taken = True
         self._first.cancel()
-        with contextlib.suppress(BaseException):
-            await self._first
+        await asyncio.wait([self._first])
+        if not self._first.cancelled():
+            self._first.exception()  # read: an error nobody took is not logged as lost
         with contextlib.suppress(Exception):
             await self._stream.aclose()  # type: ignore[attr-defined]
 

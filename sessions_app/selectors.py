@@ -192,6 +192,9 @@ class TurnContext:
     notes: list[str]  # the newest memory notes, oldest first (C8)
     # With `ahead`: the dialog's (last_seq, state_version) as the statement saw them.
     revision: tuple[int, int] | None = None
+    # The messages past the compaction's end that the window leaves out (F7: older than what
+    # fits the model's context), counted by the same statement.
+    skipped: int = 0
 
 
 def turn_context(
@@ -263,7 +266,8 @@ class TurnContextStatement:
             f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
             f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
             ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
-            f' UNION ALL SELECT 1, {filled(through_seq="v.seq")} FROM (SELECT w."seq" FROM'
+            f" UNION ALL SELECT 1, {filled(through_seq='v.seq', id='v.past')} FROM"
+            ' (SELECT w."seq", COUNT(*) OVER () AS "past" FROM'
             ' (SELECT m."seq" AS "seq", SUM(m."content_chars") OVER (ORDER BY m."seq" DESC)'
             f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
             f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
@@ -290,13 +294,15 @@ class TurnContextStatement:
 
     def result(self, rows: Iterable[Sequence[Any]]) -> TurnContext:
         seq_at, summary_at, created_at, id_at = self._at
-        compaction, boundary, revision, newest_first = None, None, None, []
+        compaction, boundary, past, revision, newest_first = None, None, 0, None, []
         for row in rows:
             part = int(row[0])
             if part == 0:
                 compaction = from_row(Compaction, row[1:])
             elif part == 1:
-                boundary = int(row[seq_at])
+                # The newest message the running sum crosses the limit at, and how many are
+                # that old or older (the sum only grows towards the older ones).
+                boundary, past = int(row[seq_at]), int(row[id_at])
             elif part == 3:
                 revision = (int(row[seq_at]), int(row[id_at]))
             else:
@@ -307,15 +313,12 @@ class TurnContextStatement:
         if self.limit < 0 and revision is not None:
             # The message to come crosses the limit by itself: the window holds only it.
             window = max(after_seq, revision[0])
+        # Left out: those `past` ones but the boundary message itself, which the window
+        # keeps, unless the window starts after it too.
+        skipped = 0 if boundary is None else past if window >= boundary else past - 1
         newest_first.sort(key=lambda note: note[0], reverse=True)
         notes_oldest_first = [content for _at, content in reversed(newest_first)]
-        return TurnContext(compaction, window, notes_oldest_first, revision)
-
-
-def messages_count_between(*, session_pk: str, after_seq: int, through_seq: int) -> int:
-    return Message.objects.filter(
-        session_id=session_pk, seq__gt=after_seq, seq__lte=through_seq
-    ).count()
+        return TurnContext(compaction, window, notes_oldest_first, revision, skipped)
 
 
 def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message]:

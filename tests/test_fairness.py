@@ -165,13 +165,34 @@ async def test_the_builder_reads_only_the_window_and_counts_the_rest_as_dropped(
     user: Any,
 ) -> None:
     # covers: F7, C7
+    from django.db.backends.utils import CursorWrapper
+
     session = await make_dialog(user)
     last = await sync_to_async(fill_history)(session, 4000)
     states = SessionStates()
     builder = TurnInputBuilder(states=states, context_window=4096)
-    prepared = await builder.prepare(
-        session_pk=session.pk, runtime=RuntimeInfo(channel="web", dialog_id="default", title="t")
-    )
+    runtime_info = RuntimeInfo(channel="web", dialog_id="default", title="t")
+    statements: list[str] = []
+    real = CursorWrapper._execute
+
+    def recorded(self: Any, sql: str, *args: Any) -> Any:
+        if not sql.startswith(("BEGIN", "COMMIT")):  # a read transaction's own
+            statements.append(sql)
+        return real(self, sql, *args)
+
+    CursorWrapper._execute = recorded  # type: ignore[method-assign]
+    try:
+        prepared = await builder.prepare(session_pk=session.pk, runtime=runtime_info)
+        read_first = list(statements)
+        statements.clear()
+        again = await builder.prepare(session_pk=session.pk, runtime=runtime_info)
+    finally:
+        CursorWrapper._execute = real  # type: ignore[method-assign]
+    # The dialog's row, the context with what the window leaves out counted in the same
+    # statement, then the window's messages; once they are cached, only the first two.
+    assert len(read_first) == 3, read_first
+    assert len(statements) == 2, statements
+    assert again.dropped_for_budget == prepared.dropped_for_budget
     # 4096 tokens x 16 characters: a few hundred of the 4000 messages were read and cached,
     # not all (about 1.4 KB each as the cache counts them).
     assert 0 < states.size < 500 * 1500

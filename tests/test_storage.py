@@ -424,6 +424,13 @@ def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_l
 
     def window(dialog: Session, max_chars: int) -> int:
         found = selectors.turn_context(session_pk=dialog.pk, owner_id=user.pk, max_chars=max_chars)
+        # What it leaves out is counted too: the messages past the newest compaction's end
+        # up to the window's start.
+        through = found.compaction.through_seq if found.compaction else 0
+        outside = Message.objects.filter(
+            session_id=dialog.pk, seq__gt=through, seq__lte=found.window_start
+        ).count()
+        assert found.skipped == outside
         return found.window_start
 
     # Everything fits: nothing is left out.
@@ -487,6 +494,11 @@ def test_a_context_read_ahead_of_a_message_gives_the_window_its_append_will(user
     services.messages_append(session_pk=session.pk, messages=[user_msg("y" * coming)])
     after = selectors.turn_context(session_pk=session.pk, owner_id=user.pk, max_chars=25)
     assert ahead.window_start == after.window_start
+    # The same messages left out, whether the new one crosses the limit by itself (every
+    # older one is left out) or not.
+    outside = Message.objects.filter(session_id=session.pk, seq__lte=after.window_start).count()
+    assert ahead.skipped == after.skipped == outside
+    assert outside >= (6 if coming > 25 else 2)
     assert after.revision is None
     row = fresh(session)
     assert ahead.revision == (row.last_seq - 1, row.state_version - 1)

@@ -381,13 +381,9 @@ class TurnInputBuilder:
                 max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
             )
         # F7: only the newest messages that could fit the model's window at all are read;
-        # a dialog longer than that costs one running sum, not one row per message.
-        through = found.compaction.through_seq if found.compaction else 0
-        skipped = 0
-        if found.window_start > through:
-            skipped = selectors.messages_count_between(
-                session_pk=session_pk, after_seq=through, through_seq=found.window_start
-            )
+        # a dialog longer than that costs one running sum, not one row per message, and
+        # the same statement counted those it leaves out.
+        skipped = found.skipped
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
         else:

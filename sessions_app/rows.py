@@ -93,6 +93,18 @@ def pipelined() -> Iterator[None]:
         yield
 
 
+def when_commit_sent(fn: Callable[[], object]) -> None:
+    """Inside a transaction: run `fn` once its COMMIT is on its way, on PostgreSQL, where the
+    COMMIT is a round trip (work handed to another thread then runs while this one waits for
+    the server; never, when the transaction rolls back); elsewhere now."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    later = getattr(conn, "when_commit_sent", None)
+    if later is None or not conn.in_atomic_block:
+        fn()
+        return
+    later(fn)
+
+
 def _holding() -> list[tuple[str, list[Any]]] | None:
     return getattr(_held, "writes", None)
 

@@ -454,6 +454,60 @@ def test_a_write_held_outside_a_transaction_runs_at_once(table: str) -> None:
         assert other.execute("SELECT 1 FROM begin_probe WHERE id = 20").fetchone() == (1,)
 
 
+def test_a_step_run_once_the_commit_is_sent_sees_it_land_without_this_thread(
+    table: str,
+) -> None:
+    # covers: G6 (a started turn's input is built while its admission waits for its COMMIT:
+    # handed over once the COMMIT is on its way, not before, when it took the interpreter
+    # lock from the COMMIT's own steps)
+    order: list[str] = []
+
+    def once_sent() -> None:
+        # This thread has not read the COMMIT's answer; the server commits all the same.
+        with connections["default"].pool.connection() as other:
+            deadline = time.monotonic() + 10
+            while not other.execute("SELECT 1 FROM begin_probe WHERE id = 21").fetchone():
+                assert time.monotonic() < deadline, "the COMMIT was not sent"
+                time.sleep(0.005)
+        order.append("sent")
+
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            _locked_then_held(cursor, 21, "sent")
+        rows.when_commit_sent(once_sent)
+        transaction.on_commit(lambda: order.append("committed"))
+        assert order == []
+    assert order == ["sent", "committed"]
+
+    # Never for a transaction that rolls back; an error of the step leaves the COMMIT be.
+    with pytest.raises(RuntimeError):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                _locked_then_held(cursor, 22, "rolled back")
+            rows.when_commit_sent(lambda: order.append("rolled back"))
+            raise RuntimeError("roll back")
+
+    # ... nor for a savepoint that rolls back inside one that commits.
+    with transaction.atomic():
+        with pytest.raises(RuntimeError):
+            with transaction.atomic():
+                rows.when_commit_sent(lambda: order.append("savepoint rolled back"))
+                raise RuntimeError("roll back the savepoint")
+
+    def fails() -> None:
+        raise ValueError("a step that fails")
+
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("INSERT INTO begin_probe VALUES (23, 'not held')")
+        rows.when_commit_sent(fails)
+    assert order == ["sent", "committed"]
+    assert _ids() == [1, 21, 23]
+    # Outside a transaction there is no COMMIT to wait for: at once.
+    rows.when_commit_sent(lambda: order.append("at once"))
+    assert order[-1] == "at once"
+
+
 def test_statements_pipelined_together_cost_one_round_trip_and_run_in_order(
     table: str, pool: Any
 ) -> None:

@@ -33,7 +33,7 @@ from django.db import connection, transaction
 
 from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
-from sessions_app import storage
+from sessions_app import rows, storage
 from sessions_app.models import Session, TurnStatus
 
 from . import control, limits, queue, snapshots
@@ -231,16 +231,23 @@ class Engine:
                 started.prepared.add_done_callback(ready)
 
         def build_beside(started: queue.Started) -> None:
-            # G6: the turn's input is built from that context, on another database thread
-            # from the moment the turn is decided, while the admission waits for its charge
-            # and its COMMIT's round trip, and its model request goes out as soon as both
-            # are done. Ahead of the admissions still waiting (a burst's first turns do not
-            # wait for its last admission).
-            if started.context is not None:
+            # G6: the turn's input is built from that context, on another database thread,
+            # while the admission waits for its COMMIT's round trip, and its model request
+            # goes out as soon as both are done. Ahead of the admissions still waiting (a
+            # burst's first turns do not wait for its last admission).
+            if started.context is None:
+                return
+
+            def build() -> None:
                 started.prepared = start_on_db(
                     functools.partial(self._prepare_early, started, committed=False), first=True
                 )
-                transaction.on_commit(functools.partial(open_when_built, started), robust=True)
+
+            # Handed over once the COMMIT is on its way: the build runs while the admission
+            # waits for the server. Handed over before, it took the interpreter lock from the
+            # admission between the COMMIT's own steps, whose round trip then waited for it.
+            rows.when_commit_sent(build)
+            transaction.on_commit(functools.partial(open_when_built, started), robust=True)
 
         def build_once_committed(started: queue.Started) -> None:
             # G6, SQLite: the same build, handed to another database thread the moment the

@@ -38,8 +38,9 @@ one round trip.
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -50,6 +51,8 @@ from psycopg import OperationalError, adapt, pq
 from psycopg_pool import ConnectionPool
 
 # Set on a driver connection while Django's transaction on it has run no statement yet.
+logger = logging.getLogger(__name__)
+
 _BEGIN_PENDING = "_chat_begin_pending"
 _LOGGED = "logged"  # a cursor's `_chat_hold` when Django logs queries: its text is kept
 # The writes held on a driver connection: (cursor class, query, params, execute's kwargs).
@@ -180,6 +183,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
     # The class of cursors that bind on the server (`sessions_app.rows.cursor`).
     server_binding_cursor = ServerBindingCursorBegins
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Steps to run once this transaction's COMMIT is sent (`when_commit_sent`), with the
+        # savepoints each was added under.
+        self._on_commit_sent: list[tuple[set[str], Callable[[], object]]] = []
+
     def get_connection_params(self) -> dict[str, Any]:
         params = super().get_connection_params()
         params["cursor_factory"] = (
@@ -215,9 +224,32 @@ class DatabaseWrapper(base.DatabaseWrapper):
         with self.wrap_database_errors, self.connection.pipeline():
             yield
 
+    def when_commit_sent(self, fn: Callable[[], object]) -> None:
+        """Run `fn` once this transaction's COMMIT is on its way to the server, before its
+        answer is back (never, when the transaction rolls back instead): work for another
+        thread handed over then runs while this one waits for the server, rather than
+        taking the interpreter lock from it between the COMMIT's own steps. An error of
+        `fn` is logged; the COMMIT goes on."""
+        # Under the savepoints open now: one rolled back takes the step with it (as
+        # Django's `on_commit` does).
+        self._on_commit_sent.append((set(self.savepoint_ids), fn))
+
+    def savepoint_rollback(self, sid: str) -> None:
+        super().savepoint_rollback(sid)
+        self._on_commit_sent = [(ids, fn) for ids, fn in self._on_commit_sent if sid not in ids]
+
+    def _commit_sent(self) -> None:
+        waiting, self._on_commit_sent = self._on_commit_sent, []
+        for _ids, fn in waiting:
+            try:
+                fn()
+            except Exception:
+                logger.exception("a step to run once the COMMIT was sent failed")
+
     def _commit(self) -> None:
         held = _take_held(self.connection) if self.connection is not None else []
         if not held:
+            self._commit_sent()  # the COMMIT is the next thing sent
             super()._commit()  # type: ignore[misc]
         else:
             # The held writes and the COMMIT in one pipeline: an error in a write aborts the
@@ -226,10 +258,13 @@ class DatabaseWrapper(base.DatabaseWrapper):
                 with self.connection.pipeline():
                     _send_first(self.connection, False, held)
                     self.connection.execute("COMMIT")
+                    # Written to the socket by now; its answer is read at the pipeline's end.
+                    self._commit_sent()
         self._rearm()
 
     def _rollback(self) -> None:
         _drop_held(self.connection)
+        self._on_commit_sent = []
         super()._rollback()  # type: ignore[misc]
         self._rearm()
 
@@ -245,6 +280,7 @@ class DatabaseWrapper(base.DatabaseWrapper):
         if self.connection is not None:
             setattr(self.connection, _BEGIN_PENDING, False)
             _drop_held(self.connection)
+        self._on_commit_sent = []  # its transaction ends with it
         super()._close()  # type: ignore[misc]
 
     def create_cursor(self, name: str | None = None) -> Any:

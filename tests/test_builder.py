@@ -82,6 +82,52 @@ async def test_a_tool_call_without_its_result_is_left_out(user):
     assert [m["role"] for m in prepared.messages] == ["system", "user", "user"]
 
 
+async def test_an_earlier_turns_long_tool_result_is_trimmed_and_this_turns_is_not(user):
+    # covers: C8 (oversized tool results of earlier turns are trimmed in the model input
+    # only; the stored message and the turn's own results stay whole)
+    from django.conf import settings
+
+    from chatcore.engine.turns.builder import TRIMMED_NOTE
+    from sessions_app.models import Message
+
+    limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
+    session = await sync_to_async(_dialog)(user)
+    call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    result = services.NewMessage(
+        role=Role.TOOL,
+        content="r" * (limit + 500),
+        kind=MessageKind.TOOL_RESULT,
+        tool_call_id="c1",
+        tool_name="x",
+    )
+    await sync_to_async(_add)(
+        session, _user("use a tool"), _assistant("", tool_calls=[call]), result, _assistant("ok")
+    )
+    now = {"id": "c2", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    pending = [
+        PendingMessage(role="assistant", content="", kind="assistant", tool_calls=[now]),
+        PendingMessage(
+            role="tool", content="s" * (limit + 500), kind="tool_result", tool_call_id="c2"
+        ),
+    ]
+    prepared = await _builder().prepare(
+        session_pk=session.pk, runtime=_runtime(session), pending=pending
+    )
+    tools = [m for m in prepared.messages if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tools] == ["c1", "c2"]
+    assert tools[0]["content"] == "r" * limit + TRIMMED_NOTE
+    assert tools[1]["content"] == "s" * (limit + 500)
+    stored = await sync_to_async(Message.objects.get)(session=session, role=Role.TOOL)
+    assert len(stored.content) == limit + 500
+    # Without a tool anywhere, every message goes as it is stored.
+    plain = await sync_to_async(_dialog)(user)
+    await sync_to_async(_add)(plain, _user("q" * (limit + 500)), _assistant("a" * (limit + 500)))
+    again = await _builder().prepare(session_pk=plain.pk, runtime=_runtime(plain))
+    assert [m["role"] for m in again.messages] == ["system", "user", "assistant"]
+    assert again.messages[1]["content"].startswith("q" * (limit + 500) + RUNTIME_MARKER)
+    assert again.messages[2]["content"] == "a" * (limit + 500)
+
+
 async def test_oldest_messages_leave_first_when_over_budget(user):
     # covers: C7
     session = await sync_to_async(_dialog)(user)

@@ -131,6 +131,10 @@ class _Replayed:
     empty: bool
     # E5: the id of the cut answer this continuation goes on with, else "".
     continues: str
+    # A tool call or a tool's result: the input is checked for pairs only when it has one.
+    tool: bool
+    # Neither empty, a continuation nor a tool's: its item goes in as it is (`assemble`).
+    plain: bool
 
 
 _REPLAYED = "_replayed"
@@ -140,13 +144,20 @@ def _replayed(m: Message) -> _Replayed:
     memo: _Replayed | None = m.__dict__.get(_REPLAYED)
     if memo is None:
         answer = m.role == "assistant" and not m.tool_calls
+        empty = answer and not (m.content or "").strip()
+        continues = str((m.source or {}).get("continues") or "")
+        tool = m.role == "tool" or bool(m.tool_calls)
+        # Its JSON worked out here, once, on the thread that builds (F7).
+        data = _encoded(message_to_openai(m))
         memo = _Replayed(
-            item=_Item(EncodedMessage(message_to_openai(m)), m.pk, tokens={}),
+            item=_Item(data, m.pk, tokens={}),
             id=str(m.id),
             skipped=m.kind == MessageKind.WELCOME or m.role == "system",
             answer=answer,
-            empty=answer and not (m.content or "").strip(),
-            continues=str((m.source or {}).get("continues") or ""),
+            empty=empty,
+            continues=continues,
+            tool=tool,
+            plain=not (empty or continues or tool),
         )
         m.__dict__[_REPLAYED] = memo
     return memo
@@ -339,7 +350,9 @@ class TurnInputBuilder:
         prepared.dropped_for_budget += skipped
         # F7: the request body's JSON, here rather than on the event loop; a message seen
         # before keeps its own, so this encodes only what is new since.
-        prepared.messages = [_encoded(m) for m in prepared.messages]
+        prepared.messages = [
+            m if m.__class__ is EncodedMessage else _encoded(m) for m in prepared.messages
+        ]
         return prepared
 
     async def recover_after_overflow(
@@ -425,23 +438,35 @@ class TurnInputBuilder:
 
         items: list[_Item] = []
         answers: dict[str, int] = {}
+        # This walk runs for every message of the window before every first token: the
+        # usual message (`plain`) costs a lookup and an append.
+        tools = False
         for m in history:
-            r = _replayed(m)
+            r = m.__dict__.get(_REPLAYED) or _replayed(m)
             if r.skipped or m.seq <= through:
                 continue
             if exclude_turn_partials and m.status and str(m.turn_id) == exclude_turn_partials:
                 continue
-            _replay(items, answers, m, r)
-        items.extend(_Item(message_to_openai(p), None, in_turn=True) for p in pending)
-        items = _sanitize_tool_pairs(items)
+            if r.plain:
+                items.append(r.item)
+                if r.answer:
+                    answers[r.id] = len(items) - 1
+            else:
+                tools = tools or r.tool
+                _replay(items, answers, m, r)
+        for p in pending:
+            tools = tools or p.role == "tool" or bool(p.tool_calls)
+            items.append(_Item(message_to_openai(p), None, in_turn=True))
+        if tools:
+            items = _sanitize_tool_pairs(items)
 
-        # C8: trim oversized tool results of earlier turns, in the model input only.
-        limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
-        for i, it in enumerate(items):
-            content = it.data["content"]
-            if not it.in_turn and it.data["role"] == "tool" and len(content) > limit:
-                key = ("trimmed", it.key) if it.key is not None else None
-                items[i] = _Item({**it.data, "content": content[:limit] + TRIMMED_NOTE}, key)
+            # C8: trim oversized tool results of earlier turns, in the model input only.
+            limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
+            for i, it in enumerate(items):
+                content = it.data["content"]
+                if not it.in_turn and it.data["role"] == "tool" and len(content) > limit:
+                    key = ("trimmed", it.key) if it.key is not None else None
+                    items[i] = _Item({**it.data, "content": content[:limit] + TRIMMED_NOTE}, key)
 
         # Keep within budget by leaving out the oldest messages, never this turn's nor the
         # last stored one (this turn's user message). Walking back from the newest message
@@ -469,7 +494,11 @@ class TurnInputBuilder:
             total += counts[i]
         start = keep
         while start > 0:
-            n = count(items[start - 1])
+            it = items[start - 1]
+            # A message counted before (the usual case) at the cost of a lookup.
+            n = it.tokens.get(name) if it.tokens is not None else None
+            if n is None:
+                n = count(it)
             if total + n > budget:
                 break
             start -= 1

@@ -96,7 +96,8 @@ def pipelined() -> Iterator[None]:
 def when_commit_sent(fn: Callable[[], object]) -> None:
     """Inside a transaction: run `fn` once its COMMIT is on its way, on PostgreSQL, where the
     COMMIT is a round trip (work handed to another thread then runs while this one waits for
-    the server; never, when the transaction rolls back); elsewhere now."""
+    the server; never when the transaction rolls back first, and what `fn` started goes
+    unused should the COMMIT fail); elsewhere now. `fn` must not use the connection."""
     conn = connections[DEFAULT_DB_ALIAS]
     later = getattr(conn, "when_commit_sent", None)
     if later is None or not conn.in_atomic_block:

@@ -50,9 +50,9 @@ from django.db.backends.utils import debug_transaction
 from psycopg import OperationalError, adapt, pq
 from psycopg_pool import ConnectionPool
 
-# Set on a driver connection while Django's transaction on it has run no statement yet.
 logger = logging.getLogger(__name__)
 
+# Set on a driver connection while Django's transaction on it has run no statement yet.
 _BEGIN_PENDING = "_chat_begin_pending"
 _LOGGED = "logged"  # a cursor's `_chat_hold` when Django logs queries: its text is kept
 # The writes held on a driver connection: (cursor class, query, params, execute's kwargs).
@@ -226,10 +226,12 @@ class DatabaseWrapper(base.DatabaseWrapper):
 
     def when_commit_sent(self, fn: Callable[[], object]) -> None:
         """Run `fn` once this transaction's COMMIT is on its way to the server, before its
-        answer is back (never, when the transaction rolls back instead): work for another
-        thread handed over then runs while this one waits for the server, rather than
-        taking the interpreter lock from it between the COMMIT's own steps. An error of
-        `fn` is logged; the COMMIT goes on."""
+        answer is back: work for another thread handed over then runs while this one waits
+        for the server, rather than taking the interpreter lock from it between the COMMIT's
+        own steps. Never when the transaction (or the savepoint `fn` was added in) rolls
+        back first; should the server then refuse the COMMIT, what `fn` started goes unused
+        (its caller keeps nothing of a transaction that did not commit). An error of `fn`
+        is logged; the COMMIT goes on. `fn` must not use this connection."""
         # Under the savepoints open now: one rolled back takes the step with it (as
         # Django's `on_commit` does).
         self._on_commit_sent.append((set(self.savepoint_ids), fn))

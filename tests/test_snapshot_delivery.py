@@ -227,10 +227,28 @@ class TakesAWhileLayer(InMemoryChannelLayer):
 
 
 async def test_the_rest_of_a_burst_waits_until_the_layer_took_the_first_frame(
-    make_engine, fake_model, recorder, user
+    make_engine, fake_model, recorder, user, monkeypatch
 ):
     # covers: D1 (on a layer with a round trip, such as Redis, the first token is not held
     # back by the parsing of an answer that arrived whole)
+    from chatcore.engine import worker
+    from chatcore.engine.turns import runner
+
+    # The runner's wait is capped (for a layer that never answers); this layer always does,
+    # within 40 ms, and a busy machine must not turn the cap into what is tested here.
+    monkeypatch.setattr(runner, "FIRST_FRAME_WAIT_SECONDS", 10.0)
+    real_run_turn = worker.Workers._run_turn
+
+    async def run_turn(self: Any, started: Any) -> None:
+        if started.opened is not None:
+            # A request opened at the admission (PostgreSQL): the whole answer is in, and
+            # its first token read, before the worker starts the turn.
+            request = (await fake_model.requests_made(1))[-1]
+            assert await asyncio.to_thread(request.finished.wait, 10)
+            await asyncio.sleep(0.05)
+        await real_run_turn(self, started)
+
+    monkeypatch.setattr(worker.Workers, "_run_turn", run_turn)
     parsed_at_first_frame.clear()
     with override_settings(CHANNEL_LAYERS={"default": {"BACKEND": f"{__name__}.TakesAWhileLayer"}}):
         engine = TakesAWhileLayer.engine = await make_engine()

@@ -86,7 +86,8 @@ async def publish_snapshots(
     external sink gets the text through its own task (`DeliveryHandle.push`, D4)."""
     interval = 1.0 / max(1, fps)
     snap = local.snapshot
-    first_sent = snap.first_sent = asyncio.Event()
+    # Made by the caller before the runner started, or here.
+    first_sent = snap.first_sent = snap.first_sent or asyncio.Event()
     while not local.ended:
         await snap.changed.wait()
         snap.changed.clear()

@@ -581,6 +581,11 @@ class Workers:
         after_request: Callable[[], None] | None = None,
     ) -> TurnOutcome:
         loop = asyncio.get_running_loop()
+        # Set before the runner runs: its first step may read the first token at once (a
+        # request opened at the admission, `OpenedRequest`), and the rest of a burst then
+        # waits for the publisher below to take the first frame (D1), whose task has not run
+        # yet.
+        local.snapshot.first_sent = asyncio.Event()
         run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
         if after_request is not None:
             # After the runner's first step, which sends the model request and waits for its

@@ -24,12 +24,13 @@ is counted and printed, and the run exits non-zero (it is a failure, not noise).
 `--repeat` runs every target that many times (3 by default), interleaved: floor, platform, ...,
 then again, each repetition starting one target further on (floor, embedded, scaled 1, scaled
 2; then embedded, scaled 1, scaled 2, floor; ...). A target measured right after another's
-burst read slower than the same target measured first, whichever it was (the second scaled
-target by 0.4-1.1 ms of TTFT p50, with the machine idle between them), so no target keeps one
-place. Each ratio is taken within one repetition (a target against the floor measured in it);
-the table shows each figure's median over the repetitions with its range, and the
-last lines name the targets a median misses. With 40 serial turns the "p99" is the slowest of
-the 40, so one run's p99 is one turn: the median of three is the figure to read.
+burst mostly read slower than when measured first, whichever it was (in the fixed order the
+second scaled target by up to 1.6 ms of TTFT p50 in a repetition, with the machine idle
+between them), so no target keeps one place. Each ratio is taken within one repetition (a
+target against the floor measured in it); the table shows each figure's median over the
+repetitions with its range, and the last lines name the targets a median misses. With 40
+serial turns the "p99" is the slowest of the 40, so one run's p99 is one turn: the median of
+three is the figure to read.
 """
 
 from __future__ import annotations

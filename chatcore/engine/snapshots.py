@@ -86,7 +86,8 @@ async def publish_snapshots(
     external sink gets the text through its own task (`DeliveryHandle.push`, D4)."""
     interval = 1.0 / max(1, fps)
     snap = local.snapshot
-    # Made by the caller before the runner started, or here.
+    # Made by the worker before its runner started (a first token may be read at once); a
+    # publisher started on its own makes one.
     first_sent = snap.first_sent = snap.first_sent or asyncio.Event()
     while not local.ended:
         await snap.changed.wait()

@@ -365,3 +365,97 @@ async def test_replies_follow_the_users_language(engine, user, extra, expected):
         assert answer["type"] == "error" and expected in answer["message"]
     finally:
         await ws.close()
+
+
+# --- Dispatch: channels' order, fewer turns of the loop ----------------------------------------
+
+
+async def test_dispatch_keeps_each_sources_order_and_runs_one_dispatch_at_a_time() -> None:
+    # covers: D1 (frames reach the socket in the order they were published)
+    from sessions_app.ws_events import dispatch_in_turn
+
+    client: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    layer: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    seen: list[str] = []
+    running = 0
+    release = asyncio.Event()
+
+    async def dispatch(message: dict[str, Any]) -> None:
+        nonlocal running
+        running += 1
+        assert running == 1, "two dispatches at once"
+        seen.append(message["n"])
+        if message["n"] == "c1":
+            await release.wait()  # a client frame whose handling waits (an admission)
+        running -= 1
+
+    task = asyncio.ensure_future(dispatch_in_turn([client.get, layer.get], dispatch))
+    client.put_nowait({"n": "c1"})
+    client.put_nowait({"n": "c2"})
+    for i in range(3):
+        layer.put_nowait({"n": f"l{i}"})
+    for _ in range(5):
+        await asyncio.sleep(0)
+    # The layer's frames wait for the client frame under way, and so does the next one.
+    assert seen == ["c1"]
+    release.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert sorted(seen, key=lambda n: (n[0], n)) == ["c1", "c2", "l0", "l1", "l2"]
+    assert [n for n in seen if n[0] == "l"] == ["l0", "l1", "l2"]
+    assert [n for n in seen if n[0] == "c"] == ["c1", "c2"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_queued_frame_is_dispatched_after_one_turn_of_the_loop() -> None:
+    # covers: F7 (every frame of every stream passes here, on the loop all sockets share)
+    from sessions_app.ws_events import dispatch_in_turn
+
+    client: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    layer: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    seen: list[dict[str, Any]] = []
+
+    async def dispatch(message: dict[str, Any]) -> None:
+        seen.append(message)
+
+    task = asyncio.ensure_future(dispatch_in_turn([client.get, layer.get], dispatch))
+    await asyncio.sleep(0)  # both sources read
+    for i in range(3):
+        layer.put_nowait({"n": i})
+        await asyncio.sleep(0)
+        # channels' `await_many_dispatch` takes three turns here: the message's own task,
+        # `asyncio.wait`'s callback, then the consumer's task.
+        assert seen == [{"n": j} for j in range(i + 1)]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_dispatch_ends_with_stop_consumer_or_an_error_and_stops_reading() -> None:
+    from channels.exceptions import StopConsumer
+
+    from sessions_app.ws_events import dispatch_in_turn
+
+    for ending, raised in ((StopConsumer(), StopConsumer), (ValueError("bad"), ValueError)):
+        client: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        layer: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        seen: list[str] = []
+
+        async def dispatch(
+            message: dict[str, Any], ending: Exception = ending, seen: list[str] = seen
+        ) -> None:
+            seen.append(message["n"])
+            if message["n"] == "end":
+                raise ending
+
+        task = asyncio.ensure_future(dispatch_in_turn([client.get, layer.get], dispatch))
+        await asyncio.sleep(0)
+        client.put_nowait({"n": "end"})
+        with pytest.raises(raised):
+            await asyncio.wait_for(task, 5)
+        # The other source is no longer read: what comes later stays in its queue.
+        layer.put_nowait({"n": "late"})
+        await asyncio.sleep(0)
+        assert seen == ["end"] and layer.qsize() == 1

@@ -204,3 +204,42 @@ async def test_every_turn_of_a_long_dialog_is_sent_what_a_fresh_process_would_se
     assert "" not in contents  # E5: the empty answer is never replayed
     tool = next(m for m in sent.messages if m["role"] == "tool")
     assert len(tool["content"]) < 5000 and tool["content"].startswith("r" * 4000)
+
+
+async def test_the_request_body_is_the_windows_join_plus_what_a_step_appends(user, monkeypatch):
+    # covers: F7 (the event loop does not serialise the dialog's history for each request)
+    import json
+
+    from chatcore.engine.provider_types import EncodedMessage, encode_body
+
+    session = await sync_to_async(_dialog)(user)
+    for i in range(5):
+        await sync_to_async(_add)(session, _user(f'q{i} ü "x"'), _assistant(f"a{i}"))
+    prepared = await _builder().prepare(session_pk=session.pk, runtime=_runtime(session))
+    window = [dict(m) for m in prepared.messages]
+
+    # A request of the window takes its join as it is: no message is encoded again.
+    encoded = EncodedMessage.encoded
+    calls = []
+
+    def counting(self: EncodedMessage) -> bytes:
+        calls.append(self)
+        return encoded(self)
+
+    monkeypatch.setattr(EncodedMessage, "encoded", counting)
+    messages = prepared.messages.copy()
+    body = encode_body({"model": "m", "messages": messages, "stream": True})
+    assert calls == []
+    assert json.loads(body) == {"model": "m", "messages": window, "stream": True}
+
+    # A tool step appends its call and result: only those are encoded.
+    step = [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool"}]
+    messages.extend(step)
+    assert json.loads(encode_body({"messages": messages}))["messages"] == window + step
+
+    # Anything else drops the join, and the body still says what the list holds.
+    messages[1] = {"role": "user", "content": "replaced"}
+    expected = [window[0], {"role": "user", "content": "replaced"}, *window[2:], *step]
+    assert json.loads(encode_body({"messages": messages}))["messages"] == expected
+    del messages[0]
+    assert json.loads(encode_body({"messages": messages}))["messages"] == expected[1:]

@@ -342,3 +342,30 @@ async def test_rest_continue_streams_like_a_send(engine, fake_model, user):
     assert "turn_snapshot" in kinds
     assert events[-2]["messages"][-1]["content"] == ", three."
     assert events[-1]["status"] == "completed"
+
+
+async def test_a_request_made_ahead_is_sent_as_made_unless_the_limits_form_changed(fake_model):
+    # covers: E5, F7 (a turn's first request is made where its input is built; the server
+    # may have taught the provider another limit field meanwhile, and that one is used)
+    provider = OpenAIProvider(base_url=fake_model.url, model="fake", retry_base_delay=0.01)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "t", "parameters": {}}}]
+    try:
+        for change in (False, True):
+            ahead = provider.prepare_request(messages=messages, tools=tools, max_tokens=70)
+            if change:
+                provider.max_tokens_param = "max_completion_tokens"
+            fake_model.script(Reply(text="ok"))
+            events = [
+                e
+                async for e in provider.stream(
+                    messages=messages, tools=tools, max_tokens=70, prepared=ahead
+                )
+            ]
+            assert events[-1].text == "ok"
+            body = fake_model.turn_requests()[-1].body
+            field = "max_completion_tokens" if change else "max_tokens"
+            assert body[field] == 70 and body["messages"] == messages and body["tools"] == tools
+            assert ("max_tokens" in body) is not change
+    finally:
+        await provider.aclose()

@@ -567,18 +567,29 @@ async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for
     # covers: G6 (issue 10: on PostgreSQL the request is sent from the loop once the
     # admission has committed and the input built beside it is ready, ahead of the trip back
     # to the sender and on to the worker; the worker's runner takes it as its first step's:
-    # one request a turn, sends that follow an answer at once included)
+    # one request a turn, sends that follow an answer at once included. F7: the request,
+    # its body the window's messages joined, is made on the database thread that built the
+    # input, not on the event loop, which sends it as it is)
+    from chatcore.engine.provider import OpenAIProvider
     from chatcore.engine.turns.runner import OpenedRequest
 
     settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
     taken: list[OpenedRequest] = []
     real_take = OpenedRequest.take
+    made: list[tuple[str, Any]] = []
+    real_prepare = OpenAIProvider.prepare_request
 
     def take(self: OpenedRequest) -> Any:
         taken.append(self)
         return real_take(self)
 
+    def prepare(self: OpenAIProvider, **kwargs: Any) -> Any:
+        ahead = real_prepare(self, **kwargs)
+        made.append((threading.current_thread().name, ahead))
+        return ahead
+
     monkeypatch.setattr(OpenedRequest, "take", take)
+    monkeypatch.setattr(OpenAIProvider, "prepare_request", prepare)
     engine = await make_engine(name="opened")
     session = await make_dialog(user)
     rec = await recorder(chat_group_of(session))
@@ -589,11 +600,14 @@ async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for
     assert len(taken) == 3
     requests = fake_model.turn_requests()
     assert len(requests) == 3
-    for i, (opened, request) in enumerate(zip(taken, requests, strict=True)):
+    assert len(made) == 3
+    for i, (opened, request, (thread, ahead)) in enumerate(zip(taken, requests, made, strict=True)):
         assert strip_runtime(request.messages[-1]["content"]) == f"question {i}"
         assert opened.request.max_tokens == next(
             request.body[k] for k in ("max_tokens", "max_completion_tokens") if k in request.body
         )
+        assert thread.startswith("chat-db") and thread != threading.current_thread().name
+        assert request.body == json.loads(ahead.request.content)  # sent as it was made
 
 
 def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() -> None:

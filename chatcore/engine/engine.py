@@ -34,7 +34,7 @@ from django.db import connection, transaction
 from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import rows, storage
-from sessions_app.models import Session, TurnStatus
+from sessions_app.models import Session, TurnMode, TurnStatus
 
 from . import control, limits, queue, snapshots
 from .admissions import AdmissionBatches
@@ -49,6 +49,7 @@ from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
 from .tools import ToolRegistry, registry_from_settings
 from .turns.builder import WINDOW_CHARS_PER_TOKEN, PreparedInput, TurnInputBuilder
+from .turns.runner import FirstRequest
 from .worker import Workers
 
 __all__ = ["Ack", "Engine", "Inbound", "LocalTurn", "StopResult"]
@@ -322,7 +323,12 @@ class Engine:
         try:
             if committed:
                 return self.builder.prepare_committed(started.session, started.appended)
-            return self.builder.prepare_beside(started.session, started.context, started.appended)
+            prepared = self.builder.prepare_beside(
+                started.session, started.context, started.appended
+            )
+            if prepared is not None and started.turn.mode == TurnMode.SEND:
+                started.first_request = self._first_request(prepared)
+            return prepared
         except Exception:
             logger.warning(
                 "could not build a turn's input beside its admission",
@@ -330,6 +336,20 @@ class Engine:
                 extra={"turn_id": str(started.turn.pk)},
             )
             return None
+
+    def _first_request(self, prepared: PreparedInput) -> tuple[FirstRequest, Any] | None:
+        """A started turn's first model request, made on its build's database thread for the
+        loop to send as it is (`Workers.open_first_request`): its body holds the window's
+        messages, and encoding it and making the HTTP request cost the loop, which every
+        socket shares, about 0.15 ms per send (F7). None: the provider makes none ahead."""
+        make = getattr(self.provider, "prepare_request", None)
+        if make is None:
+            return None
+        request = FirstRequest.of(
+            prepared, builder=self.builder, tools=self.tools, max_steps=self.cfg["MAX_STEPS"]
+        )
+        ahead = make(messages=request.messages, tools=request.tools, max_tokens=request.max_tokens)
+        return request, ahead
 
     # --- stop / retry / continue (C6, E5) ------------------------------------------------
 

@@ -478,14 +478,19 @@ class BoundedProvider:
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
         max_tokens: int | None = None,
+        prepared: Any = None,
     ) -> AsyncIterator[ProviderEvent]:
+        """`prepared`: the request made ahead by the provider's `prepare_request`, if it has
+        one (the others are never given any)."""
         completion: Completion | None = None
+        # Only for a provider that made it: the others take no such argument.
+        ahead = {} if prepared is None else {"prepared": prepared}
         async with self._slots:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
             try:
                 async for event in self.inner.stream(
-                    messages=messages, tools=tools, purpose=purpose, max_tokens=max_tokens
+                    messages=messages, tools=tools, purpose=purpose, max_tokens=max_tokens, **ahead
                 ):
                     if isinstance(event, Completion):
                         # Hand the result over only once the call is over and its slot

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -41,6 +42,16 @@ from .provider_types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A chat completion request made ahead (`OpenAIProvider.prepare_request`), with the
+    payload it encodes and the answer limit's form it was made under."""
+
+    request: httpx.Request
+    payload: dict[str, Any]
+    limits: tuple[str, int | None]
 
 
 class OpenAIProvider:
@@ -122,6 +133,19 @@ class OpenAIProvider:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
 
+    def prepare_request(
+        self,
+        *,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
+    ) -> PreparedRequest:
+        """The request `stream` would send for this input, made now, on any thread (a turn's
+        first request is made where its input is built, off the event loop, F7); `stream`
+        given it sends it as it is."""
+        payload = self._payload(messages, tools, max_tokens)
+        return PreparedRequest(self._request(encode_body(payload)), payload, self._limits())
+
     async def stream(
         self,
         *,
@@ -129,7 +153,47 @@ class OpenAIProvider:
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
         max_tokens: int | None = None,
+        prepared: PreparedRequest | None = None,
     ) -> AsyncIterator[ProviderEvent]:
+        """`prepared`: this input's request from `prepare_request`, sent as it is unless
+        what the server taught this provider about the answer limit changed since."""
+        request = None
+        if prepared is not None and prepared.limits == self._limits():
+            payload, request = prepared.payload, prepared.request
+        else:
+            payload = self._payload(messages, tools, max_tokens)
+        attempt = 0
+        adjusted = False
+        while True:
+            started = False
+            try:
+                async for event in self._stream_once(payload, request):
+                    started = True
+                    yield event
+                return
+            except AnswerLimitRejected as exc:
+                if adjusted:
+                    raise exc.plain from exc
+                adjusted = True
+                self._learn_limit(payload, exc)
+                request = None  # the payload changed
+            except ProviderError as exc:
+                # E5: retry 429/5xx and transport errors, but only before the first token.
+                if started or not exc.retryable or attempt >= self.max_retries:
+                    raise
+                attempt += 1
+                delay = self.retry_base_delay * (2 ** (attempt - 1)) * (1 + random.random() / 4)  # noqa: S311
+                logger.warning(
+                    "model request failed (%s), retry %d in %.2fs", exc.kind, attempt, delay
+                )
+                await asyncio.sleep(delay)
+
+    def _payload(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        max_tokens: int | None,
+    ) -> dict[str, Any]:
         payload: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -141,30 +205,11 @@ class OpenAIProvider:
         if max_tokens:
             # E5: a runaway answer ends with a `length` stop the user sees.
             self._set_limit(payload, max_tokens)
-        attempt = 0
-        adjusted = False
-        while True:
-            started = False
-            try:
-                async for event in self._stream_once(payload):
-                    started = True
-                    yield event
-                return
-            except AnswerLimitRejected as exc:
-                if adjusted:
-                    raise exc.plain from exc
-                adjusted = True
-                self._learn_limit(payload, exc)
-            except ProviderError as exc:
-                # E5: retry 429/5xx and transport errors, but only before the first token.
-                if started or not exc.retryable or attempt >= self.max_retries:
-                    raise
-                attempt += 1
-                delay = self.retry_base_delay * (2 ** (attempt - 1)) * (1 + random.random() / 4)  # noqa: S311
-                logger.warning(
-                    "model request failed (%s), retry %d in %.2fs", exc.kind, attempt, delay
-                )
-                await asyncio.sleep(delay)
+        return payload
+
+    def _limits(self) -> tuple[str, int | None]:
+        """What `_set_limit` goes by, as the server taught it (`_learn_limit`)."""
+        return self.max_tokens_param, self._limit_ceiling
 
     def _set_limit(self, payload: dict[str, Any], max_tokens: int) -> None:
         for name in LIMIT_PARAMS:
@@ -197,22 +242,26 @@ class OpenAIProvider:
         )
         self._set_limit(payload, sent)
 
-    @contextlib.asynccontextmanager
-    async def _post(self, body: bytes) -> AsyncIterator[httpx.Response]:
-        """The chat completion request with `body`, its response streamed: what the client's
-        `stream` does, without what it does not need on the way to every first token (the
-        URL parsed and the headers merged anew, an auth flow, redirects, a cookie jar: none
-        applies to the model server, and together they cost about as much CPU as the rest
-        of the request). The transport is the one the client's `send` would pick (a client
-        given its transport mounts no proxies); with a proxy from the environment, the
-        client's `send` picks its mount."""
-        request = httpx.Request(
+    def _request(self, body: bytes) -> httpx.Request:
+        """The chat completion request with `body`: what the client's `build_request` makes,
+        without what it does not need on the way to every first token (the URL parsed and
+        the headers merged anew: none changes from one request to the next)."""
+        return httpx.Request(
             "POST",
             self._url,
             headers=self._request_headers,
             content=body,
             extensions=self._extensions,
         )
+
+    @contextlib.asynccontextmanager
+    async def _post(self, request: httpx.Request) -> AsyncIterator[httpx.Response]:
+        """`request` sent, its response streamed: what the client's `stream` does, without
+        what it does not need (an auth flow, redirects, a cookie jar: none applies to the
+        model server, and with `_request`'s savings they cost about as much CPU as the rest
+        of the request). The transport is the one the client's `send` would pick (a client
+        given its transport mounts no proxies); with a proxy from the environment, the
+        client's `send` picks its mount."""
         if self._transport is None:  # a proxy: the client's mount for it
             response = await self._client.send(request, stream=True)
         else:
@@ -223,13 +272,18 @@ class OpenAIProvider:
         finally:
             await response.aclose()
 
-    async def _stream_once(self, payload: dict[str, Any]) -> AsyncIterator[ProviderEvent]:
+    async def _stream_once(
+        self, payload: dict[str, Any], request: httpx.Request | None = None
+    ) -> AsyncIterator[ProviderEvent]:
+        """One request of `payload` (made ahead: `request`), its answer as events."""
         text_parts: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage: dict[str, Any] = {}
         finish_reason = ""
+        if request is None:
+            request = self._request(encode_body(payload))
         try:
-            async with self._post(encode_body(payload)) as resp:
+            async with self._post(request) as resp:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode("utf-8", "replace")
                     logger.warning("model server HTTP %s: %s", resp.status_code, scrub(body[:500]))

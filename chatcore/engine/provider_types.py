@@ -5,7 +5,7 @@ typed kind and a safe message; and the `ChatProvider` protocol every provider im
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,14 +31,68 @@ class EncodedMessage(dict[str, Any]):
             return self._json
 
 
+class EncodedMessages(list[dict[str, Any]]):
+    """A model input whose messages' JSON is joined once, where the input is built (a
+    database thread, F7): `encode_body` sends that join as it is and encodes only what was
+    appended since (a tool step's call and result). Without it the event loop joined every
+    message of the window again for each request, work that grows with the dialog. Anything
+    but an append (a message replaced, removed, reordered) drops the join; `copy` keeps it.
+    """
+
+    __slots__ = ("_count", "_joined")
+
+    def __init__(self, messages: Iterable[EncodedMessage] = ()) -> None:
+        super().__init__(messages)
+        self._joined = b",".join(m.encoded() for m in self)  # type: ignore[attr-defined]
+        self._count = len(self)
+
+    def joined(self) -> tuple[int, bytes]:
+        """How many of the first messages `encode_body` may take from the join, and it."""
+        return self._count, self._joined
+
+    def copy(self) -> EncodedMessages:
+        out = EncodedMessages.__new__(EncodedMessages)
+        list.extend(out, self)
+        out._count, out._joined = self._count, self._joined
+        return out
+
+
+def _dropping_join(name: str) -> Any:
+    change = getattr(list, name)
+
+    def method(self: EncodedMessages, *args: Any, **kwargs: Any) -> Any:
+        self._count = 0
+        return change(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__setitem__",
+    "__delitem__",
+    "__imul__",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "sort",
+    "reverse",
+):
+    setattr(EncodedMessages, _name, _dropping_join(_name))
+
+
 def encode_body(payload: dict[str, Any]) -> bytes:
     """A chat completion request's body: its messages joined from their kept JSON where
-    they have it (`EncodedMessage`), each other field as `dumps` gives it."""
+    they have it (`EncodedMessages`, `EncodedMessage`), each other field as `dumps` gives
+    it."""
     messages = payload.get("messages")
     if not messages:
         return dumps(payload)
     head = dumps({k: v for k, v in payload.items() if k != "messages"})
-    parts = [m.encoded() if isinstance(m, EncodedMessage) else dumps(m) for m in messages]
+    count, joined = messages.joined() if isinstance(messages, EncodedMessages) else (0, b"")
+    parts = [joined] if count else []
+    parts += [m.encoded() if isinstance(m, EncodedMessage) else dumps(m) for m in messages[count:]]
     comma = b"," if len(head) > 2 else b""
     return b"".join((head[:-1], comma, b'"messages":[', b",".join(parts), b"]}"))
 

@@ -52,7 +52,7 @@ from .turns.committer import CommitResult, commit_outcome, start_messages
 from .turns.outcome import Failed, FailureKind, Notice, PendingMessage
 
 if TYPE_CHECKING:
-    from .turns.runner import OpenedRequest
+    from .turns.runner import FirstRequest, OpenedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -310,6 +310,10 @@ class Started:
     # from the moment the worker went past the point of taking it. Both on the event loop.
     opened: OpenedRequest | None = None
     may_open: bool = True
+    # That request made with the input, on the build's thread (`Engine._prepare_early`):
+    # what it asks for, and the provider's request made ahead (`prepare_request`); None:
+    # made on the loop when it is sent.
+    first_request: tuple[FirstRequest, Any] | None = None
 
 
 def _admit_locked(

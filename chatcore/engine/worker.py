@@ -233,10 +233,14 @@ class Workers:
         prepared = building.result()
         if prepared is None:
             return
-        request = FirstRequest.of(
-            prepared, builder=self.builder, tools=self.tools, max_steps=self.cfg["MAX_STEPS"]
-        )
-        started.opened = OpenedRequest(self.provider, prepared, request)
+        if started.first_request is not None:
+            request, ahead = started.first_request  # made with the input
+        else:
+            request = FirstRequest.of(
+                prepared, builder=self.builder, tools=self.tools, max_steps=self.cfg["MAX_STEPS"]
+            )
+            ahead = None
+        started.opened = OpenedRequest(self.provider, prepared, request, ahead=ahead)
 
     async def _close_opened(self, started: queue.Started) -> None:
         """Close the first request opened for a turn that is not run here (`Started.opened`),

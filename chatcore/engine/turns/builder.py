@@ -26,7 +26,7 @@ from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, services
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
-from ..provider_types import EncodedMessage
+from ..provider_types import EncodedMessage, EncodedMessages
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from .outcome import PendingMessage
@@ -349,10 +349,11 @@ class TurnInputBuilder:
         # Messages outside the read window were left out for the budget too.
         prepared.dropped_for_budget += skipped
         # F7: the request body's JSON, here rather than on the event loop; a message seen
-        # before keeps its own, so this encodes only what is new since.
-        prepared.messages = [
+        # before keeps its own, so this encodes only what is new since, and the window's
+        # messages are joined here once (`EncodedMessages`).
+        prepared.messages = EncodedMessages(
             m if m.__class__ is EncodedMessage else _encoded(m) for m in prepared.messages
-        ]
+        )
         return prepared
 
     async def recover_after_overflow(

@@ -127,7 +127,7 @@ class FirstRequest:
         answer_tokens: int | None = None,
     ) -> FirstRequest:
         return cls(
-            messages=list(prepared.messages),
+            messages=prepared.messages.copy(),  # its join kept (`EncodedMessages`)
             tools=None if max_steps <= 1 else (tools.schemas() or None),
             max_tokens=answer_token_limit(
                 context_window=builder.context_window,
@@ -149,14 +149,26 @@ class OpenedRequest:
     the runner then takes the stream from there (`take`), or it is closed unread (`aclose`),
     which frees its model slot and its connection. Made and used on the event loop."""
 
-    def __init__(self, provider: ChatProvider, prepared: PreparedInput, request: FirstRequest):
+    def __init__(
+        self,
+        provider: ChatProvider,
+        prepared: PreparedInput,
+        request: FirstRequest,
+        *,
+        ahead: Any = None,
+    ):
+        """`ahead`: the provider's request for `request`, made already (its
+        `prepare_request`), sent as it is."""
         self.prepared = prepared
         self.request = request
+        # Only to a provider that made it: the others take no such argument.
+        made = {} if ahead is None else {"prepared": ahead}
         self._stream = provider.stream(
             messages=request.messages,
             tools=request.tools,
             purpose="turn",
             max_tokens=request.max_tokens,
+            **made,
         )
         self._first: asyncio.Task[Any] = asyncio.ensure_future(anext(self._stream, _ENDED))
         self.taken = False
@@ -298,7 +310,7 @@ class TurnRunner:
                         pending=self.lead + self.pending,
                         exclude_turn_partials=self.exclude_turn_partials,
                     )
-                    messages = list(prepared.messages)
+                    messages = prepared.messages.copy()
                     self.input_tokens = prepared.estimated_tokens
                     self._uncounted.clear()
                     step -= 1

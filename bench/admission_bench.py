@@ -71,11 +71,12 @@ def together(sessions: list[Any], size: int) -> tuple[float, float]:
     from django.conf import settings
 
     from chatcore.engine import queue
+    from chatcore.engine.sessions import SessionStates
 
     wall, cpu = time.perf_counter(), time.thread_time()
     for first in range(0, len(sessions), size):
         batch = [queue.Admission(inbound(s), s, "b") for s in sessions[first : first + size]]
-        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT)
+        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
         assert all(isinstance(o, tuple) for o in outcomes), outcomes
     return time.perf_counter() - wall, time.thread_time() - cpu
 

@@ -83,7 +83,7 @@ def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
     ]
     connection.ensure_connection()
     with Exchanges(connection.connection) as exchanges:
-        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT)
+        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
     assert exchanges.count == 2
     for i, (session, outcome) in enumerate(zip(dialogs, outcomes, strict=True)):
         assert isinstance(outcome, tuple), outcome
@@ -103,19 +103,46 @@ def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
     assert sorted(started_seen) == sorted(str(o[1].turn.pk) for o in outcomes)  # type: ignore[index]
 
 
+def test_a_batch_records_its_user_messages_in_the_history_this_process_holds(
+    make_user: Any, django_assert_num_queries: Any
+) -> None:
+    # covers: A4, A5, G6 (as for a send admitted alone: once committed, the user message
+    # joins the dialog's history held here, so the turn's build and the next one read
+    # nothing of it again)
+    dialogs = _dialogs(make_user, 3)
+    states = SessionStates()
+    for session in dialogs:
+        assert [m.seq for m in states.history(session)] == [1]  # the welcome (B2)
+    outcomes = queue.admit_and_start_many(
+        [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
+        cfg=settings.CHAT,
+        states=states,
+    )
+    assert all(isinstance(o, tuple) for o in outcomes), outcomes
+    lives = [Session.objects.get(pk=s.pk) for s in dialogs]
+    with django_assert_num_queries(0):
+        held = [states.history(live) for live in lives]
+    for i, (live, messages) in enumerate(zip(lives, held, strict=True)):
+        assert live.last_seq == 2
+        assert [(m.seq, m.role, m.content) for m in messages][1:] == [(2, "user", f"hello {i}")]
+
+
 def test_a_batch_leaves_a_busy_dialog_and_a_deleted_one_to_their_own_admissions(
     make_user: Any,
 ) -> None:
     # covers: C1, C2 (a busy dialog's send queues behind its running turn; a deleted dialog's
     # is refused; neither is written by the batch, and the others start)
     idle, busy, gone = _dialogs(make_user, 3)
-    first = queue.admit_and_start_many([_admission(busy, "running")], cfg=settings.CHAT)[0]
+    first = queue.admit_and_start_many(
+        [_admission(busy, "running")], cfg=settings.CHAT, states=SessionStates()
+    )[0]
     assert isinstance(first, tuple)
     Session.objects.filter(pk=gone.pk).update(deleted_at=timezone.now())
 
     outcomes = queue.admit_and_start_many(
         [_admission(idle, "hi"), _admission(busy, "next"), _admission(gone, "lost")],
         cfg=settings.CHAT,
+        states=SessionStates(),
     )
     assert isinstance(outcomes[0], tuple)
     assert outcomes[1] is queue.ALONE and outcomes[2] is queue.ALONE
@@ -172,6 +199,7 @@ def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_o
                 for i, s in enumerate([first, dialog_held, sender_held, last])
             ],
             cfg=settings.CHAT,
+            states=SessionStates(),
         )
     finally:
         release.set()
@@ -209,6 +237,7 @@ def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(
                 _admission(last, "three", charge=charges[3]),
             ],
             cfg=settings.CHAT,
+            states=SessionStates(),
         )
     assert isinstance(outcomes[0], tuple) and isinstance(outcomes[2], tuple)
     assert isinstance(outcomes[1], RateLimited)
@@ -235,7 +264,9 @@ def test_a_batch_whose_writes_fail_leaves_nothing_and_each_send_goes_alone(
 
     with connection.execute_wrapper(fail_the_second):
         outcomes = queue.admit_and_start_many(
-            [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)], cfg=settings.CHAT
+            [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
+            cfg=settings.CHAT,
+            states=SessionStates(),
         )
     assert outcomes == [queue.ALONE] * 3
     for session in dialogs:

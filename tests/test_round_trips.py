@@ -610,6 +610,53 @@ async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for
         assert request.body == json.loads(ahead.request.content)  # sent as it was made
 
 
+@pytest.mark.postgres
+async def test_a_turn_whose_build_began_after_its_admission_committed_keeps_the_history_held(
+    make_engine, fake_model, recorder, user, settings, monkeypatch
+):
+    # covers: A4, A5, G6 (the user message joins the history this process holds once it is
+    # committed, also when the build beside the admission only began after that: a burst
+    # keeps the database threads busy. The dialog's next build reads no message again)
+    import time
+
+    from chatcore.engine.engine import Engine
+    from sessions_app import selectors
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    real_prepare = Engine._prepare_early
+
+    def late(self: Engine, started: Any, *, committed: bool) -> Any:
+        time.sleep(0.2)  # the admission has committed, and recorded what it could, by now
+        return real_prepare(self, started, committed=committed)
+
+    monkeypatch.setattr(Engine, "_prepare_early", late)
+    reads: list[int] = []
+    real_read = selectors.messages_for_context
+
+    def read(**kwargs: Any) -> Any:
+        reads.append(kwargs["after_seq"])
+        return real_read(**kwargs)
+
+    monkeypatch.setattr(selectors, "messages_for_context", read)
+    engine = await make_engine(name="late-build")
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    for i in range(3):
+        fake_model.script(Reply(text=f"answer {i}"))
+        ack = await send(engine, session, f"question {i}")
+        assert (await rec.terminal(ack.turn_id))["status"] == "completed"
+        # Only the first build read the dialog's history (the welcome).
+        assert len(reads) == 1, (i, reads)
+    requests = fake_model.turn_requests()
+    assert [strip_runtime(m["content"]) for m in requests[-1].messages[1:]] == [
+        "question 0",
+        "answer 0",
+        "question 1",
+        "answer 1",
+        "question 2",
+    ]
+
+
 def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() -> None:
     # covers: G6, F7 (the database threads' order: first in line for a started turn's work)
     from chatcore.common.dbthreads import DatabaseThreads

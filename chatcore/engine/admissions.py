@@ -27,6 +27,7 @@ from chatcore.common.dbthreads import on_db
 
 from . import queue
 from .ingress import Ack
+from .sessions import SessionStates
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +37,20 @@ _Waiting = tuple[queue.Admission, asyncio.Future[queue.AdmissionOutcome]]
 
 class AdmissionBatches:
     """The admissions of one process's sends that may start their turn (`Engine.submit`).
+    `states`: the process's dialog histories, which a started turn's user message joins;
     `spawn`: how a batch's task is started (the engine's supervisor, F1)."""
 
     def __init__(
         self,
         cfg: dict[str, Any],
         *,
+        states: SessionStates,
         alone_limit: int,
         spawn: Callable[[str, Coroutine[Any, Any, None]], object],
         max_batch: int = 32,
     ) -> None:
         self.cfg = cfg
+        self.states = states
         self.alone_limit = max(1, alone_limit)
         self.max_batch = max_batch
         self._spawn = spawn
@@ -135,7 +139,7 @@ class AdmissionBatches:
     async def _run(self, batch: list[_Waiting]) -> None:
         try:
             outcomes = await on_db(queue.admit_and_start_many)(
-                [admission for admission, _f in batch], cfg=self.cfg
+                [admission for admission, _f in batch], cfg=self.cfg, states=self.states
             )
         except Exception as exc:  # the trip itself failed: each send goes alone
             logger.warning("a batch of admissions did not run; each goes alone: %s", exc)

@@ -115,6 +115,7 @@ class Engine:
         self.admissions = (
             AdmissionBatches(
                 self.cfg,
+                states=self.states,
                 alone_limit=max(1, dbthreads.thread_count() // 3),
                 spawn=self.supervisor.spawn,
             )
@@ -225,6 +226,13 @@ class Engine:
             # once, ahead of the trip back to this coroutine and on to the worker
             # (`Workers.open_first_request`). Never for an attempt that rolled back.
             def ready(_built: object) -> None:
+                if started.appended is not None:
+                    # A4: its user message joins the history held here, once committed and
+                    # once the build is done. The admission records it as it commits too,
+                    # but a build that began later (its thread busy with others, a burst)
+                    # held nothing then, and left the history without it: the turn's answer
+                    # did not follow on, and the dialog's next build read it all again.
+                    self.states.apply_appended(started.appended)
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to send
                     loop.call_soon_threadsafe(self.workers.open_first_request, started)
 

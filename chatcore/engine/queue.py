@@ -487,7 +487,9 @@ ALONE = object()
 AdmissionOutcome = tuple[Ack, Started] | BaseException | object
 
 
-def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list[AdmissionOutcome]:
+def admit_and_start_many(
+    batch: list[Admission], *, cfg: dict[str, Any], states: SessionStates
+) -> list[AdmissionOutcome]:
     """`admit_and_start` for many sends to idle dialogs at once, on PostgreSQL, in one
     transaction (G6: a burst's admissions cost a few transactions, not one each). The
     batch's dialogs and its senders are distinct (one send of each per batch, the caller's
@@ -547,6 +549,12 @@ def admit_and_start_many(batch: list[Admission], *, cfg: dict[str, Any]) -> list
         for charge in charges:
             charge.settle()  # read, for those the batch did not get to
     for i, ack, started in done:
+        if started.appended is not None:
+            # Its user message, in the history this process holds (A4: once committed), as
+            # a send admitted alone records it: without it, the turn's answer no longer
+            # followed what the cache held, the dialog's history was dropped, and its next
+            # build read the whole window again.
+            states.apply_appended(started.appended)
         outcomes[i] = (ack, started)
     return outcomes
 

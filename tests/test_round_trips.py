@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -560,6 +561,25 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     assert log[: log.index("model request")].count("admitted") <= dbthreads.thread_count(), log
 
 
+async def _questions_answered(
+    engine: Any,
+    user: Any,
+    fake_model: Any,
+    recorder: Any,
+    *,
+    after_each: Callable[[int], bool] = lambda _i: True,
+) -> None:
+    """Three sends to a new dialog of `user`, each once the last was answered; `after_each`
+    holds after each answer."""
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    for i in range(3):
+        fake_model.script(Reply(text=f"answer {i}"))
+        ack = await send(engine, session, f"question {i}")
+        assert (await rec.terminal(ack.turn_id))["status"] == "completed"
+        assert after_each(i), i
+
+
 @pytest.mark.postgres
 async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for_it(
     make_engine, fake_model, recorder, user, settings, monkeypatch
@@ -590,13 +610,7 @@ async def test_a_started_sends_model_request_goes_out_before_its_worker_asks_for
 
     monkeypatch.setattr(OpenedRequest, "take", take)
     monkeypatch.setattr(OpenAIProvider, "prepare_request", prepare)
-    engine = await make_engine(name="opened")
-    session = await make_dialog(user)
-    rec = await recorder(chat_group_of(session))
-    for i in range(3):
-        fake_model.script(Reply(text=f"answer {i}"))
-        ack = await send(engine, session, f"question {i}")
-        assert (await rec.terminal(ack.turn_id))["status"] == "completed"
+    await _questions_answered(await make_engine(name="opened"), user, fake_model, recorder)
     assert len(taken) == 3
     requests = fake_model.turn_requests()
     assert len(requests) == 3
@@ -639,14 +653,10 @@ async def test_a_turn_whose_build_began_after_its_admission_committed_keeps_the_
 
     monkeypatch.setattr(selectors, "messages_for_context", read)
     engine = await make_engine(name="late-build")
-    session = await make_dialog(user)
-    rec = await recorder(chat_group_of(session))
-    for i in range(3):
-        fake_model.script(Reply(text=f"answer {i}"))
-        ack = await send(engine, session, f"question {i}")
-        assert (await rec.terminal(ack.turn_id))["status"] == "completed"
-        # Only the first build read the dialog's history (the welcome).
-        assert len(reads) == 1, (i, reads)
+    # Only the first build read the dialog's history (the welcome).
+    await _questions_answered(
+        engine, user, fake_model, recorder, after_each=lambda i: len(reads) == 1
+    )
     requests = fake_model.turn_requests()
     assert [strip_runtime(m["content"]) for m in requests[-1].messages[1:]] == [
         "question 0",

@@ -110,8 +110,13 @@ def test_a_frozen_process_loses_its_turn_and_writes_nothing(
     fake_model.script(Reply(text="first answer, slowly ", endless=True))
     first = api_a.send(sid, "first")
     fake_model.wait_requests(1)
-    # A runs it (its own send took the free lease) and has checkpointed a partial.
-    wait_until(lambda: bool(Turn.objects.get(pk=first).partial_text), what="a checkpoint")
+    # A runs it (its own send took the free lease) and has checkpointed a partial: the
+    # scripted text at least (a checkpoint can fall between the answer's first piece, which
+    # goes out alone, and the rest of its burst).
+    wait_until(
+        lambda: Turn.objects.get(pk=first).partial_text.startswith("first answer, slowly"),
+        what="a checkpoint of the scripted text",
+    )
     assert f":{a.proc.pid}:" in session_of(sid).lease_owner
 
     os.kill(a.proc.pid, signal.SIGSTOP)
@@ -170,7 +175,10 @@ def test_a_killed_process_is_taken_over_and_its_queue_runs(
     fake_model.script(Reply(text="half an answer ", endless=True))
     first = api_a.send(sid, "first")
     fake_model.wait_requests(1)
-    wait_until(lambda: bool(Turn.objects.get(pk=first).partial_text), what="a checkpoint")
+    wait_until(
+        lambda: Turn.objects.get(pk=first).partial_text.startswith("half an answer"),
+        what="a checkpoint of the scripted text",
+    )
     queued = [api_a.send(sid, "second"), api_b.send(sid, "third")]
 
     a.proc.kill()

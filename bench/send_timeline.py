@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/send_timeline.py [--turns 60] [--scaled
         --database-url postgres://postgres@127.0.0.1:5432/test --redis-url redis://127.0.0.1:6379/9]
+        [--loop-between START END]
 
 One `manage.py serve` process (embedded mode, or with `--scaled` PostgreSQL + Redis on a
 throwaway database), the fake model of `compare_bench.py` in its own process, and one client
@@ -20,6 +21,11 @@ server, or for the interpreter lock). A step on the event loop (a coroutine) cou
 loop's CPU while it was under way, the other tasks' included. The wrappers add a few
 microseconds per step; read the figures beside each other, not as the platform's own latency
 (`compare_bench.py` measures that).
+
+`--loop-between START END` (two steps as printed, e.g. `"model socket read<"` and
+`"socket: turn_snapshot>"`) also times every callback the event loop runs and prints, per
+send, how long the loop spent on what between the two: a span much longer than the loop's
+busy time waited for another thread or a server; a busy span shows whose work came first.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def main(args: argparse.Namespace) -> None:
     out = tmp / "timeline.txt"
     hooks = {
         "SEND_TIMELINE": str(out),
+        "SEND_TIMELINE_LOOP": "|".join(args.loop_between or ()),
         "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT / "bench" / "timeline"), os.environ.get("PYTHONPATH")) if p
         ),
@@ -92,4 +99,11 @@ if __name__ == "__main__":
     parser.add_argument("--scaled", action="store_true", help="PostgreSQL + Redis")
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
+    parser.add_argument(
+        "--loop-between",
+        nargs=2,
+        metavar=("START", "END"),
+        help="also time the event loop's callbacks between these two steps, as printed "
+        '(e.g. "model socket read<" "socket: turn_snapshot>")',
+    )
     main(parser.parse_args())

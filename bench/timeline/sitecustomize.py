@@ -65,14 +65,22 @@ if os.environ.get("SEND_TIMELINE"):
         import httpx
 
         from chatcore.common import dbthreads
-        from chatcore.engine import engine, queue, snapshots, worker
+        from chatcore.engine import engine, limits, provider_net, queue, snapshots, worker
         from chatcore.engine.turns import runner
+        from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
 
         _wrap(consumers.ChatConsumer, "receive", "frame received")
         _wrap(engine.Engine, "submit", "submit")
         _wrap(queue, "admit_and_start", "admission")
         _wrap(queue, "lock_for_admission", "locked row and counts")
+        _wrap(queue, "_start_locked", "turn started in the admission")
+        _wrap(limits.PendingCharge, "wait", "send-rate charge read")
+        _wrap(pg.DatabaseWrapper, "_commit", "COMMIT")
+        _wrap(pg.DatabaseWrapper, "_commit_sent", "COMMIT sent")
+        _wrap(worker.Workers, "open_first_request", "first request opened")
+        _wrap(provider_net._Connection, "write", "model socket write")
+        _wrap(provider_net._Connection, "read", "model socket read")
         _wrap(engine.Engine, "_prepare_early", "input built beside")
         _wrap(worker.Workers, "start_claimed", "worker started")
         _wrap(worker.Workers, "hand_off", "handed to the worker")
@@ -108,6 +116,73 @@ if os.environ.get("SEND_TIMELINE"):
                     _mark(f"on a database thread: {name}<")
 
             dbthreads._call = _call
+
+    # `SEND_TIMELINE_LOOP`: "START|END", two steps' marks (`--loop-between`): every callback the
+    # event loop runs is timed, and the report adds what ran between the two, per send.
+    _LOOP_BETWEEN = os.environ.get("SEND_TIMELINE_LOOP", "")
+    _LOOP: list[tuple[float, float, str]] = []
+
+    def _label(callback: Any) -> str:
+        """What a loop callback runs: a task's coroutine chain, or the callback by name (a
+        transport's read with its protocol's class)."""
+        owner = getattr(callback, "__self__", None)
+        if owner is not None and hasattr(owner, "get_coro"):
+            names = []
+            coro = owner.get_coro()
+            while coro is not None and len(names) < 3:
+                code = getattr(coro, "cr_code", None) or getattr(coro, "ag_code", None)
+                if code is None:
+                    break
+                names.append(code.co_qualname)
+                coro = getattr(coro, "cr_await", None)
+            return "task " + ("/".join(names) or type(owner.get_coro()).__name__)
+        name = getattr(callback, "__qualname__", type(callback).__name__)
+        if owner is not None and hasattr(owner, "_protocol"):
+            return f"{name} [{type(owner._protocol).__name__}]"
+        return str(name)
+
+    if _LOOP_BETWEEN:
+        import asyncio.events
+
+        _run = asyncio.events.Handle._run
+
+        def _timed_run(self: Any) -> None:
+            label = _label(self._callback)  # before it runs: what its task awaits now
+            began = time.perf_counter()
+            try:
+                _run(self)
+            finally:
+                _LOOP.append((began, time.perf_counter(), label))
+
+        asyncio.events.Handle._run = _timed_run  # type: ignore[method-assign]
+
+    def _loop_report(sends: int) -> list[str]:
+        """The loop's callbacks between the two steps of `SEND_TIMELINE_LOOP`, in each send
+        measured: their time inside that span per send, by what they run, largest first."""
+        first, last = _LOOP_BETWEEN.split("|", 1)
+        log = list(_LOG)
+        frames = [at for name, at, _t, _c in log if name == "frame received>"][_SKIP:]
+        spans = []
+        for frame in frames:
+            begin = next((at for name, at, _t, _c in log if name == first and at >= frame), None)
+            if begin is None:
+                continue
+            end = next((at for name, at, _t, _c in log if name == last and at > begin), None)
+            if end is not None:
+                spans.append((begin, end))
+        inside: dict[str, float] = collections.defaultdict(float)
+        for began, ended, label in list(_LOOP):
+            for begin, end in spans:
+                if ended > begin and began < end:
+                    inside[label] += (min(ended, end) - max(began, begin)) * 1000
+        lines = ["", f"the event loop between {first} and {last}, ms per send (busy, by callback)"]
+        if not spans:
+            return [*lines, "(no send reached both)"]
+        width = statistics.median(end - begin for begin, end in spans) * 1000
+        lines.append(f"{'span, p50':<46} {width:8.2f}")
+        for label, total in sorted(inside.items(), key=lambda kv: -kv[1])[:20]:
+            lines.append(f"{label[:46]:<46} {total / len(spans):8.3f}")
+        return lines
 
     def _write(*_args: Any) -> None:
         turns: list[list[tuple[str, float, float]]] = []
@@ -147,6 +222,8 @@ if os.environ.get("SEND_TIMELINE"):
             if len(values) * 2 < len(sends):
                 continue
             lines.append(f"{name:<46} {statistics.median(values):8.2f}")
+        if _LOOP_BETWEEN:
+            lines += _loop_report(len(sends))
         with open(os.environ["SEND_TIMELINE"], "w") as out:
             out.write("\n".join(lines) + "\n")
 

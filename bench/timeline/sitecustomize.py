@@ -70,24 +70,28 @@ if os.environ.get("SEND_TIMELINE"):
         from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
 
-        _wrap(consumers.ChatConsumer, "receive", "frame received")
-        _wrap(engine.Engine, "submit", "submit")
-        _wrap(queue, "admit_and_start", "admission")
-        _wrap(queue, "lock_for_admission", "locked row and counts")
-        _wrap(queue, "_start_locked", "turn started in the admission")
-        _wrap(limits.PendingCharge, "wait", "send-rate charge read")
-        _wrap(pg.DatabaseWrapper, "_commit", "COMMIT")
-        _wrap(pg.DatabaseWrapper, "_commit_sent", "COMMIT sent")
-        _wrap(worker.Workers, "open_first_request", "first request opened")
-        _wrap(provider_net._Connection, "write", "model socket write")
-        _wrap(provider_net._Connection, "read", "model socket read")
-        _wrap(engine.Engine, "_prepare_early", "input built beside")
-        _wrap(worker.Workers, "start_claimed", "worker started")
-        _wrap(worker.Workers, "hand_off", "handed to the worker")
-        _wrap(worker.Workers, "_run_turn", "turn run")
-        _wrap(runner.TurnRunner, "_one_request", "model step")
-        _wrap(httpx.AsyncClient, "send", "model request")
-        _wrap(snapshots, "send_snapshot", "snapshot published")
+        steps: list[tuple[Any, str, str]] = [
+            (consumers.ChatConsumer, "receive", "frame received"),
+            (engine.Engine, "submit", "submit"),
+            (queue, "admit_and_start", "admission"),
+            (queue, "lock_for_admission", "locked row and counts"),
+            (queue, "_start_locked", "turn started in the admission"),
+            (limits.PendingCharge, "wait", "send-rate charge read"),
+            (pg.DatabaseWrapper, "_commit", "COMMIT"),
+            (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
+            (worker.Workers, "open_first_request", "first request opened"),
+            (provider_net._Connection, "write", "model socket write"),
+            (provider_net._Connection, "read", "model socket read"),
+            (engine.Engine, "_prepare_early", "input built beside"),
+            (worker.Workers, "start_claimed", "worker started"),
+            (worker.Workers, "hand_off", "handed to the worker"),
+            (worker.Workers, "_run_turn", "turn run"),
+            (runner.TurnRunner, "_one_request", "model step"),
+            (httpx.AsyncClient, "send", "model request"),
+            (snapshots, "send_snapshot", "snapshot published"),
+        ]
+        for owner, attr, label in steps:
+            _wrap(owner, attr, label)
         relay = getattr(ws_events.ChatEventsConsumer, "_send", None)
         if relay is None:
             _MISSING.append("ChatEventsConsumer._send")

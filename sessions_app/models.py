@@ -4,17 +4,17 @@ memory notes and API tokens (SPEC A2). Writes go through `services`, reads throu
 
 from __future__ import annotations
 
-import uuid
-
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Length
 from django.utils import timezone
 
+from chatcore.common.ids import new_uuid
+
 
 def _new_pk() -> str:
-    return uuid.uuid4().hex
+    return new_uuid().hex
 
 
 class TitleSource(models.TextChoices):
@@ -121,7 +121,7 @@ class MessageStatus(models.TextChoices):
 
 
 class Message(models.Model):
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=new_uuid, editable=False)
     # Indexed by the (session, seq) constraint and index below, which lead with it.
     session = models.ForeignKey(
         Session, on_delete=models.CASCADE, related_name="messages", db_index=False
@@ -190,7 +190,7 @@ class Turn(models.Model):
     """One accepted send (C1, C2): queued durably before it is acknowledged, run at most once,
     ended by exactly one terminal."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=new_uuid, editable=False)
     # Both indexed by the composite indexes below, which lead with them: an index of their
     # own is one more for every turn's insert and end to keep.
     session = models.ForeignKey(
@@ -253,7 +253,7 @@ class StagedInput(models.Model):
         RECORDED = "recorded", "recorded"
         DROPPED = "dropped", "dropped"
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=new_uuid, editable=False)
     # Indexed by `idx_staged_session`, which leads with it.
     session = models.ForeignKey(
         Session, on_delete=models.CASCADE, related_name="staged_inputs", db_index=False

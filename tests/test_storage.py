@@ -111,6 +111,44 @@ def test_session_key_build_rejects_each_bad_part(parts: tuple[Any, Any, Any]) ->
         SessionKey.build(*parts)
 
 
+def test_row_ids_are_random_uuids_unique_across_threads_and_a_forked_child() -> None:
+    # covers: A2 (rows keyed by random UUIDs, as `uuid4` makes, read from the OS in blocks;
+    # a forked worker never repeats its parent's)
+    import os
+    import threading
+    import uuid
+
+    from chatcore.common.ids import new_uuid
+
+    seen: list[uuid.UUID] = []
+
+    def draw() -> None:
+        seen.extend(new_uuid() for _ in range(2000))
+
+    threads = [threading.Thread(target=draw) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == len(seen) == 8000
+    assert {(u.version, u.variant) for u in seen} == {(4, uuid.RFC_4122)}
+
+    new_uuid()  # the parent holds a block read already
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.close(read)
+        os.write(write, b"".join(new_uuid().bytes for _ in range(16)))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    child = {uuid.UUID(bytes=data[i : i + 16]) for i in range(0, len(data), 16)}
+    parent = {new_uuid() for _ in range(16)}
+    assert len(child) == 16 and not child & parent
+
+
 @pytest.mark.parametrize(
     "dialog_id", ["a b", "a:b", "a/b", "x" * 65, "\u00e9t\u00e9", "\u5bf9\u8bdd", 7]
 )

@@ -434,6 +434,8 @@ async def test_a_queued_frame_is_dispatched_after_one_turn_of_the_loop() -> None
 
 
 async def test_dispatch_ends_with_stop_consumer_or_an_error_and_stops_reading() -> None:
+    # covers: D1 (a consumer whose socket closed, or whose dispatch failed, reads nothing
+    # more from the layer, as channels' dispatcher ends)
     from channels.exceptions import StopConsumer
 
     from sessions_app.ws_events import dispatch_in_turn

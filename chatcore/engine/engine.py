@@ -349,7 +349,7 @@ class Engine:
         """A started turn's first model request, made on its build's database thread for the
         loop to send as it is (`Workers.open_first_request`): its body holds the window's
         messages, and encoding it and making the HTTP request cost the loop, which every
-        socket shares, about 0.15 ms per send (F7). None: the provider makes none ahead."""
+        socket shares, about 0.2 ms per send (F7). None: the provider makes none ahead."""
         make = getattr(self.provider, "prepare_request", None)
         if make is None:
             return None

@@ -95,3 +95,24 @@ class Exchanges:
 
     def __exit__(self, *exc: Any) -> None:
         del self.conn.wait
+
+
+async def until_waiting(waiting: Any, count: int, what: str) -> None:
+    """Until `count` calls wait for a batch (`waiting`: a batcher's list of waiting calls,
+    `Gathered._waiting` or `AdmissionBatches._waiting`)."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(waiting()) < count:
+        assert asyncio.get_running_loop().time() < deadline, f"{what} did not gather"
+        await asyncio.sleep(0.01)
+
+
+def gated_answers(gate: Any) -> Any:
+    """A model reply for the fake model: "the answer to <the last message>", held before its
+    end until `gate` is set."""
+    from tests.fakemodel import Reply, strip_runtime
+
+    def reply(request: dict[str, Any]) -> Reply:
+        question = strip_runtime(request["messages"][-1]["content"])
+        return Reply(text=f"the answer to {question}", gate=gate)
+
+    return reply

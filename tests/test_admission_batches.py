@@ -32,6 +32,7 @@ from tests.engine_helpers import (
     history,
     make_dialog,
     send,
+    until_waiting,
     unwrap_engine_statements,
     wrap_engine_statements,
 )
@@ -315,10 +316,7 @@ async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and
             for i, session in enumerate(dialogs[1:], start=1)
         ]
         again = asyncio.create_task(send(engine, dialogs[1], "again"))
-        deadline = time.monotonic() + 10
-        while len(engine.admissions._waiting) < 7:
-            assert time.monotonic() < deadline, "the burst's sends did not wait for a batch"
-            await asyncio.sleep(0.01)
+        await until_waiting(lambda: engine.admissions._waiting, 7, "the burst's sends")
         held.set()
         acks = await asyncio.gather(first, *burst)
         again_ack = await again

@@ -11,14 +11,25 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 
-from tests.engine_helpers import chat_group_of, make_dialog, send
+from tests.engine_helpers import (
+    chat_group_of,
+    gated_answers,
+    history,
+    make_dialog,
+    send,
+    until_waiting,
+    unwrap_engine_statements,
+    wrap_engine_statements,
+)
 from tests.fakemodel import Reply, strip_runtime
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
@@ -539,7 +550,6 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     real_admit = queue.admit_and_start
 
     def admit(*args: Any, **kwargs: Any) -> Any:
-        import time
 
         found = real_admit(*args, **kwargs)
         time.sleep(0.05)  # each admission holds its database thread a while
@@ -631,7 +641,6 @@ async def test_a_turn_whose_build_began_after_its_admission_committed_keeps_the_
     # covers: A4, A5, G6 (the user message joins the history this process holds once it is
     # committed, also when the build beside the admission only began after that: a burst
     # keeps the database threads busy. The dialog's next build reads no message again)
-    import time
 
     from chatcore.engine.engine import Engine
     from sessions_app import selectors
@@ -759,3 +768,60 @@ async def test_a_slow_publish_of_the_user_message_still_reaches_clients_before_i
     assert kinds[0] == "history_delta", kinds
     assert [m["content"] for m in mine[0]["messages"]] == ["a question"]
     assert "turn_snapshot" in kinds and kinds[-1] == "turn_updated", kinds
+
+
+async def test_step_boundaries_that_come_together_are_read_together(
+    make_engine: Any, make_user: Any, fake_model: Any, recorder: Any
+) -> None:
+    # covers: G6, C4, G2 (the last step boundary of turns ending together: one statement
+    # for several, each turn still told its own staged inputs; a steer staged for one of
+    # them is taken at its boundary and causes its one more step)
+    engine = await make_engine(name="boundaries")
+    engine.workers.boundaries.alone_limit = 1
+    dialogs = [await make_dialog(await sync_to_async(make_user)()) for _ in range(5)]
+    recorders = [await recorder(chat_group_of(s)) for s in dialogs]
+    gate = threading.Event()
+    fake_model.default = gated_answers(gate)
+    checks: list[int] = []
+    held, holding = threading.Event(), threading.Event()
+
+    def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith('SELECT s."id", s."lease_owner", s."lease_epoch", EXISTS'):
+            # The dialogs asked about: an array on PostgreSQL, one parameter each on SQLite.
+            checks.append(len(params[-1]) if isinstance(params[-1], list) else len(params) - 1)
+        elif sql.startswith("SELECT EXISTS") and sql.count("EXISTS") == 1 and "lease_owner" in sql:
+            # A boundary's read alone: the first one waits until the others have gathered.
+            if not holding.is_set():
+                holding.set()
+                held.wait(10)
+        return execute(sql, params, many, context)
+
+    await wrap_engine_statements(hold_the_first)
+    try:
+        acks = [await send(engine, s, f"question {i}") for i, s in enumerate(dialogs)]
+        await fake_model.requests_made(5)
+        await send(engine, dialogs[2], "and briefly", mode="steer")
+        await asyncio.sleep(0.2)
+        gate.set()
+        assert await asyncio.to_thread(holding.wait, 10)
+        await until_waiting(lambda: engine.workers.boundaries._waiting, 4, "the boundaries")
+        held.set()
+        ends = [
+            await rec.terminal(ack.turn_id, timeout=15)
+            for rec, ack in zip(recorders, acks, strict=True)
+        ]
+    finally:
+        gate.set()
+        held.set()
+        await unwrap_engine_statements(hold_the_first)
+    assert [end["status"] for end in ends] == ["completed"] * 5
+    assert checks == [4]  # the four that came while the first was read, in one statement
+    steered = [(m.role, m.content) for m in await history(dialogs[2]) if m.role != "system"]
+    assert steered[-3:] == [
+        ("assistant", "the answer to question 2"),
+        ("user", "and briefly"),
+        ("assistant", "the answer to and briefly"),
+    ]
+    for i in (0, 1, 3, 4):
+        got = [(m.role, m.content) for m in await history(dialogs[i]) if m.role != "system"]
+        assert got[-2:] == [("user", f"question {i}"), ("assistant", f"the answer to question {i}")]

@@ -89,7 +89,8 @@ class Lease:
     lost: bool = False
     released: bool = False
 
-    def _matches(self, session: Session) -> bool:
+    def matches(self, session: Session) -> bool:
+        """Whether `session`'s row (locked by the caller) still shows this lease."""
         return session.lease_owner == self.owner and session.lease_epoch == self.epoch
 
     def check(self) -> None:
@@ -119,6 +120,16 @@ class Lease:
         """`confirm` for several kinds of waiting rows at once: one statement, whether each
         has rows (in the order given; none given, a one-element True), then the value of
         each boolean expression of `also` (SQL and its parameters)."""
+        sql, params = self.waiting_statement(*kinds, also=also)
+        with sql_cursor() as cursor:
+            cursor.execute(sql, params)
+            return self.waiting_row(cursor.fetchone())
+
+    def waiting_statement(
+        self, *kinds: Waiting, also: Sequence[tuple[str, list[Any]]] = ()
+    ) -> tuple[str, list[Any]]:
+        """`waiting`'s statement and its parameters, for a caller that sends it with others
+        (`committer.commit_outcomes`); `waiting_row` reads its row."""
         columns = [f"EXISTS ({kind.sql('s')})" for kind in kinds] + [sql for sql, _p in also]
         sql = (
             f'SELECT {", ".join(columns) or "1"} FROM "{_SESSIONS}" s'  # noqa: S608
@@ -128,10 +139,13 @@ class Lease:
             *(p for kind in kinds for p in kind.params),
             *(p for _sql, values in also for p in values),
             self.session_pk,
+            self.owner,
+            self.epoch,
         ]
-        with sql_cursor() as cursor:
-            cursor.execute(sql, [*params, self.owner, self.epoch])
-            row = cursor.fetchone()
+        return sql, params
+
+    def waiting_row(self, row: Sequence[Any] | None) -> tuple[bool, ...]:
+        """`waiting`'s answer from its statement's row (None: the lease is lost)."""
         if row is None:
             self.lost = True
             raise LeaseLost(self.session_pk)
@@ -140,11 +154,11 @@ class Lease:
     def current_on(self, locked: Session, now: datetime) -> bool:
         """Whether the row the caller has just locked still shows this lease, unexpired."""
         expires = locked.lease_expires_at
-        return self._matches(locked) and expires is not None and expires >= now
+        return self.matches(locked) and expires is not None and expires >= now
 
     def guard(self, locked: Session) -> None:
         """The same check on a session row the caller has just locked (no extra query)."""
-        if not self._matches(locked):
+        if not self.matches(locked):
             self.lost = True
             raise LeaseLost(self.session_pk)
 
@@ -218,6 +232,38 @@ def check_all(leases: Iterable[Lease]) -> None:
     for key, h in wanted.items():
         if key not in held:
             h.lost = True
+
+
+def confirm_all(leases: Sequence[Lease], waiting: Waiting) -> list[bool | LeaseLost]:
+    """`confirm(waiting)` for many leases in one statement (the step boundaries of many
+    turns, `gather`): for each lease in order, whether its dialog has such rows, or
+    `LeaseLost` (the lease is marked lost) when it is no longer the dialog's."""
+    found: dict[str, tuple[str, int, bool]] = {}
+    for part in _chunks(leases):
+        ids = [h.session_pk for h in part]
+        params: list[Any]
+        if connection.vendor == "postgresql":
+            # One text whatever the batch's size: the server plans it once.
+            where, params = 's."id" = ANY(%s)', [ids]
+        else:
+            where, params = f's."id" IN ({", ".join(["%s"] * len(ids))})', ids
+        sql = (
+            f'SELECT s."id", s."lease_owner", s."lease_epoch", EXISTS ({waiting.sql("s")})'  # noqa: S608
+            f" FROM {_SESSIONS_QUOTED} s WHERE {where}"
+        )
+        with sql_cursor() as cursor:
+            cursor.execute(sql, [*waiting.params, *params])
+            for pk, owner, epoch, has in cursor.fetchall():
+                found[str(pk)] = (owner, int(epoch), bool(has))
+    out: list[bool | LeaseLost] = []
+    for h in leases:
+        row = found.get(h.session_pk)
+        if row is None or row[:2] != (h.owner, h.epoch):
+            h.lost = True
+            out.append(LeaseLost(h.session_pk))
+        else:
+            out.append(row[2])
+    return out
 
 
 def renew_all(leases: Iterable[Lease]) -> list[Lease]:

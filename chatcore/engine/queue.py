@@ -1031,9 +1031,23 @@ def after_turn_read(turn: Turn, fence: Lease) -> AfterTurn:
     queued or staged the worker has nothing to claim (`claim_next`'s read) unless a kick
     came since, and with no dialog waiting there is none to start (`waiting_dialogs`'s
     query): G6, one statement after a turn, not three."""
-    staged, queued, party_waiting = fence.waiting(
+    sql, params = after_turn_statement(turn, fence)
+    with rows.cursor() as cursor:
+        cursor.execute(sql, params)
+        return after_turn_of(cursor.fetchone(), fence)
+
+
+def after_turn_statement(turn: Turn, fence: Lease) -> tuple[str, list[Any]]:
+    """`after_turn_read`'s statement, for a batch of turn ends that sends it with its writes
+    (`committer.commit_outcomes`); `after_turn_of` reads its row."""
+    return fence.waiting_statement(
         lease.STAGED_INPUTS, lease.QUEUED_TURNS, also=[limits.waiting_elsewhere(turn)]
     )
+
+
+def after_turn_of(row: Sequence[Any] | None, fence: Lease) -> AfterTurn:
+    """`after_turn_read`'s answer from its statement's row (None: `LeaseLost`)."""
+    staged, queued, party_waiting = fence.waiting_row(row)
     return AfterTurn(staged=staged, queued=queued or staged, party_waiting=party_waiting)
 
 

@@ -19,14 +19,15 @@ from typing import Any
 
 from django.db import DatabaseError
 
-from chatcore.common import events, publish
+from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, on_db
 from chatcore.common.errors import ShuttingDown, StorageError
 from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
 
-from . import jobs, queue, snapshots
+from . import jobs, lease, queue, snapshots
 from .delivery import DeliveryCoordinator, Terminal, sink_for_channel
+from .gather import Gathered
 from .lease import Lease, LeaseLost
 from .provider_types import ChatProvider
 from .scheduler import Scheduler
@@ -37,7 +38,9 @@ from .tools import ToolContext, ToolRegistry
 from .turns.builder import RuntimeInfo, TurnInputBuilder
 from .turns.committer import (
     CommitResult,
+    Ending,
     commit_outcome,
+    commit_outcomes,
     commit_persistence_failure,
     take_staged,
 )
@@ -112,6 +115,30 @@ class Workers:
         # Dialogs whose last turn ended with no other dialog of its party waiting for a
         # slot (the same read): `_wake_waiting` has none to look for.
         self._party_idle: set[str] = set()
+        # G6: the answers of a burst end together; their last step boundaries' reads, and
+        # on PostgreSQL their commits, go together while others are under way (`gather`).
+        alone_limit = max(1, dbthreads.thread_count() // 3)
+        self.boundaries: Gathered[Lease, bool] = Gathered(
+            "step boundaries",
+            functools.partial(lease.confirm_all, waiting=lease.STAGED_INPUTS),
+            spawn=supervisor.spawn,
+            alone_limit=alone_limit,
+        )
+        self.endings: Gathered[Ending, CommitResult] | None = (
+            Gathered(
+                "turn commits",
+                functools.partial(
+                    commit_outcomes,
+                    states=states,
+                    after=lambda e: queue.after_turn_statement(e.turn, e.fence),
+                    read_after=lambda e, row: queue.after_turn_of(row, e.fence),
+                ),
+                spawn=supervisor.spawn,
+                alone_limit=alone_limit,
+            )
+            if writes is None
+            else None
+        )
 
     @property
     def closing(self) -> bool:
@@ -522,7 +549,14 @@ class Workers:
                     self._schedule_compaction(session.pk)
 
             async def fetch_staged() -> list[Any]:
-                return await on_db(take_staged)(turn=turn, fence=held)
+                # One statement: the lease still ours, and whether anything is staged (with
+                # other turns' boundaries, in a burst).
+                staged = await self.boundaries(
+                    held, functools.partial(on_db(held.confirm), lease.STAGED_INPUTS)
+                )
+                if not staged:
+                    return []
+                return await on_db(take_staged)(turn=turn, fence=held, confirmed=True)
 
             # The first request, if it went out already (`open_first_request`): the runner
             # takes it, and none is opened from here on.
@@ -686,7 +720,8 @@ class Workers:
             wake.clear()
         try:
             # A4, G6: the backoff between attempts waits on the loop, not on a database thread.
-            result = await storage.astorage_retry(
+            alone = functools.partial(
+                storage.astorage_retry,
                 functools.partial(
                     commit_outcome,
                     turn=turn,
@@ -699,6 +734,12 @@ class Workers:
                 what="turn_commit",
                 session=session,
                 lane=self.writes,
+            )
+            # With other turns' ends, in a burst (PostgreSQL).
+            result = await (
+                alone()
+                if self.endings is None
+                else self.endings(Ending(turn, outcome, generation, fence), alone)
             )
         except StorageError:
             # C9/C10: not saved after every retry: the turn ends failed, not completed.

@@ -7,15 +7,17 @@ process that lost the dialog's lease gets `LeaseLost` and has written nothing.""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 
 from chatcore.common.errors import StorageError
-from sessions_app import services, storage, turn_services
+from sessions_app import rows, services, storage, turn_services
 from sessions_app.models import (
     MessageKind,
     MessageStatus,
@@ -26,6 +28,7 @@ from sessions_app.models import (
     TurnStatus,
 )
 
+from ..gather import ALONE
 from ..lease import STAGED_INPUTS, Lease
 from ..sessions import SessionStates
 from .outcome import (
@@ -74,6 +77,10 @@ def _finish_turn(turn_pk: Any, **fields: Any) -> None:
     turn_services.turn_finish(turn_pk=turn_pk, **fields)
 
 
+def _finish_planned(turn: Turn, plan: _Plan, _session: Session) -> None:
+    _finish_turn(turn.pk, status=plan.status, reason=plan.reason, **plan.fields)
+
+
 def _finish_turn_fenced(turn_pk: Any, fence: Lease | None, **fields: Any) -> None:
     with transaction.atomic():
         if fence is not None:
@@ -93,6 +100,59 @@ def _finish_turn_durably(
     except StorageError:
         logger.error(
             "could not record the end of turn %s", turn_pk, extra={"turn_id": str(turn_pk)}
+        )
+
+
+@dataclass
+class _Plan:
+    """What a turn's end writes: its status, the messages it commits and the turn's fields."""
+
+    status: str
+    reason: str
+    error: dict[str, str] | None
+    notice: dict[str, str] | None
+    messages: list[PendingMessage]
+    fields: dict[str, Any]
+
+    @classmethod
+    def of(cls, outcome: Completed | Cancelled | Failed) -> _Plan:
+        """The end of a turn that was not stale."""
+        messages = list(outcome.messages)
+        if isinstance(outcome, Completed):
+            notice = (
+                {"kind": outcome.notice, "message": present_notice(outcome.notice)}
+                if outcome.notice
+                else None
+            )
+            return cls(
+                TurnStatus.COMPLETED,
+                outcome.notice,
+                None,
+                notice,
+                messages,
+                {"usage": outcome.usage},
+            )
+        if isinstance(outcome, Cancelled):
+            _keep_partial(messages, outcome.partial, MessageStatus.CANCELLED)
+            return cls(TurnStatus.CANCELLED, outcome.reason, None, None, messages, {})
+        assert isinstance(outcome, Failed)
+        error = {
+            "kind": str(outcome.kind),
+            "message": present_failure(outcome.kind, outcome.provider_kind),
+        }
+        _keep_partial(messages, outcome.partial, MessageStatus.INTERRUPTED)
+        fields = {"error_kind": error["kind"], "error_message": error["message"]}
+        return cls(TurnStatus.FAILED, "", error, None, messages, fields)
+
+
+def _keep_partial(messages: list[PendingMessage], partial: str, status: str) -> None:
+    """An interrupted answer's text, kept as a message marked `status` (E5: never an empty
+    assistant text)."""
+    if partial.strip():
+        messages.append(
+            PendingMessage(
+                role=Role.ASSISTANT, content=partial, kind=MessageKind.ASSISTANT, status=status
+            )
         )
 
 
@@ -116,43 +176,9 @@ def commit_outcome(
     if isinstance(outcome, Stale):
         _finish_turn_durably(turn.pk, None, fence, status=TurnStatus.CANCELLED, reason="stale")
         return CommitResult(TurnStatus.CANCELLED, reason="stale")
-
-    messages = list(outcome.messages)
-    notice = None
-    if isinstance(outcome, Completed):
-        status, reason, error = TurnStatus.COMPLETED, outcome.notice, None
-        extra_fields: dict[str, Any] = {"usage": outcome.usage}
-        if outcome.notice:
-            notice = {"kind": outcome.notice, "message": present_notice(outcome.notice)}
-    elif isinstance(outcome, Cancelled):
-        status, reason, error = TurnStatus.CANCELLED, outcome.reason, None
-        extra_fields = {}
-        if outcome.partial.strip():  # E5: never an empty assistant text
-            messages.append(
-                PendingMessage(
-                    role=Role.ASSISTANT,
-                    content=outcome.partial,
-                    kind=MessageKind.ASSISTANT,
-                    status=MessageStatus.CANCELLED,
-                )
-            )
-    else:
-        assert isinstance(outcome, Failed)
-        status, reason = TurnStatus.FAILED, ""
-        error = {
-            "kind": str(outcome.kind),
-            "message": present_failure(outcome.kind, outcome.provider_kind),
-        }
-        extra_fields = {"error_kind": str(outcome.kind), "error_message": error["message"]}
-        if outcome.partial.strip():  # E5: never an empty assistant text
-            messages.append(
-                PendingMessage(
-                    role=Role.ASSISTANT,
-                    content=outcome.partial,
-                    kind=MessageKind.ASSISTANT,
-                    status=MessageStatus.INTERRUPTED,
-                )
-            )
+    plan = _Plan.of(outcome)
+    status, reason, error, notice = plan.status, plan.reason, plan.error, plan.notice
+    messages, extra_fields = plan.messages, plan.fields
 
     def finish(session: Session) -> None:
         _finish_turn(turn.pk, status=status, reason=reason, **extra_fields)
@@ -192,6 +218,101 @@ def commit_outcome(
         notice=notice,
         after=found[0] if found else None,
     )
+
+
+@dataclass
+class Ending:
+    """A turn's end, for `commit_outcomes`: `commit_outcome`'s arguments."""
+
+    turn: Turn
+    outcome: TurnOutcome
+    base_generation: int
+    fence: Lease
+
+
+def commit_outcomes(
+    endings: Sequence[Ending],
+    *,
+    states: SessionStates,
+    after: Callable[[Ending], tuple[str, list[Any]]],
+    read_after: Callable[[Ending, Sequence[Any] | None], object],
+) -> list[CommitResult | object]:
+    """`commit_outcome` for many turns' ends at once, on PostgreSQL, in one transaction (G6:
+    a burst's answers end together, and their commits queued on the database threads).
+
+    One round trip locks the dialogs' rows, skipping any another transaction holds; one
+    sends every turn's writes (`rows.merged`: its messages, the row's update, its end) with
+    its after-turn read (`after`'s statement, its row read by `read_after`, as
+    `commit_outcome`'s `after`); then the COMMIT. For each ending in order: its
+    `CommitResult`, or `ALONE`, for `commit_outcome` to commit on its own after this
+    transaction: an end with nothing to commit, a row held elsewhere or gone, a lease lost,
+    a dialog cleared or deleted (that call then raises `LeaseLost` or ends the turn stale,
+    as for any turn). A database error rolls everything back and leaves every ending
+    alone."""
+    out: list[CommitResult | object] = [ALONE] * len(endings)
+    plans = []
+    for i, ending in enumerate(endings):
+        if not isinstance(ending.outcome, Stale):
+            plan = _Plan.of(ending.outcome)
+            if plan.messages:
+                plans.append((i, ending, plan))
+    if not plans:
+        return out
+    try:
+        done = _commit_together(plans, after=after, read_after=read_after)
+    except DatabaseError as exc:
+        # Rolled back: nothing of it stays, and each end is committed on its own.
+        logger.warning("a batch of %d turn ends failed; each goes alone: %s", len(plans), exc)
+        return out
+    for i, plan, appended, found in done:
+        states.apply_appended(appended)
+        out[i] = CommitResult(
+            plan.status,
+            reason=plan.reason,
+            error=plan.error,
+            appended=appended,
+            notice=plan.notice,
+            after=found,
+        )
+    return out
+
+
+def _commit_together(
+    plans: list[tuple[int, Ending, _Plan]],
+    *,
+    after: Callable[[Ending], tuple[str, list[Any]]],
+    read_after: Callable[[Ending, Sequence[Any] | None], object],
+) -> list[tuple[int, _Plan, services.Appended, object]]:
+    """`commit_outcomes`'s transaction: the ends it committed, with their after-turn reads."""
+    done: list[tuple[int, _Plan, services.Appended, object]] = []
+    with transaction.atomic():
+        locked = services.lock_sessions_free([str(e.turn.session_id) for _i, e, _p in plans])
+        sent = []
+        with contextlib.ExitStack() as cursors:
+            with rows.pipelined():
+                for i, ending, plan in plans:
+                    row = locked.pop(str(ending.turn.session_id), None)  # one end per dialog
+                    if (
+                        row is None
+                        or not ending.fence.matches(row)
+                        or row.generation != ending.base_generation
+                        or row.deleted_at is not None
+                    ):
+                        continue
+                    with rows.merged():
+                        appended = services.append_locked(
+                            row,
+                            [_new(m) for m in plan.messages],
+                            turn=ending.turn,
+                            extra=functools.partial(_finish_planned, ending.turn, plan),
+                        )
+                    reading = cursors.enter_context(rows.cursor())
+                    reading.execute(*after(ending))
+                    sent.append((i, ending, plan, appended, reading))
+            # Sent, the statements' results read: the rows of the after-turn reads.
+            for i, ending, plan, appended, reading in sent:
+                done.append((i, plan, appended, read_after(ending, reading.fetchone())))
+    return done
 
 
 def commit_persistence_failure(*, turn_pk: Any, fence: Lease | None = None) -> CommitResult:
@@ -251,14 +372,19 @@ def start_messages(
     return new, leftovers
 
 
-def take_staged(*, turn: Turn, fence: Lease | None = None) -> list[PendingMessage]:
+def take_staged(
+    *, turn: Turn, fence: Lease | None = None, confirmed: bool = False
+) -> list[PendingMessage]:
     """Claim the staged steer/inject inputs of the session for this turn's next boundary.
 
     Most boundaries find nothing staged; that is learnt in a read, beside other dialogs'
     writes (F7: on SQLite a write transaction waits for every other one, and a hundred turns
     ending together would queue their boundaries behind each other's commits). Only staged
-    inputs take the write transaction that claims them."""
-    if fence is not None:
+    inputs take the write transaction that claims them. `confirmed`: the caller's read
+    (`fence.confirm(STAGED_INPUTS)`, or `lease.confirm_all` for many turns) found some."""
+    if confirmed:
+        staged = True
+    elif fence is not None:
         # One statement: the lease still ours, and whether anything is staged.
         staged = fence.confirm(STAGED_INPUTS)
     else:

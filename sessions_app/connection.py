@@ -104,6 +104,7 @@ class ChannelConnection:
             chat_id=self.chat_id,
             dialog_id=dialog_id,
             create=create,
+            states=self.engine.states,
         )
 
     def resolve_or_latest(self, requested: str | None) -> Session:

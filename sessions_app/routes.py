@@ -43,6 +43,7 @@ from chatcore.common.ids import owner_chat_id
 from chatcore.engine import background, clientstate, limits, runtime
 from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack
+from chatcore.engine.sessions import dialog_create
 
 from . import selectors, services
 from .api_auth import request_login
@@ -163,12 +164,13 @@ async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Stat
 
     def create() -> dict[str, Any]:
         chat_id = payload.chat_id or owner_chat_id(user.pk)
-        session = services.session_create(
+        session = dialog_create(
             owner=user,
             channel=payload.channel,
             chat_id=chat_id,
             dialog_id=payload.dialog_id,
             title=payload.title,
+            states=engine.states,
         )
         return clientstate.session_state(session, engine)
 

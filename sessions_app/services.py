@@ -81,6 +81,21 @@ def session_create(
     title: str | None = None,
 ) -> Session:
     """Create a live dialog with its welcome message (B2) and tell the chat's clients."""
+    return session_create_with_history(
+        owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id, title=title
+    )[0]
+
+
+def session_create_with_history(
+    *,
+    owner: User,
+    channel: str,
+    chat_id: str,
+    dialog_id: str | None = None,
+    title: str | None = None,
+) -> tuple[Session, list[Message]]:
+    """`session_create`, with the new dialog's whole history as stored (its welcome message):
+    for the engine's history cache, which then holds the dialog from its start (G6)."""
     key = SessionKey.build(
         channel, chat_id, dialog_id if dialog_id is not None else new_dialog_id()
     )
@@ -131,11 +146,11 @@ def session_create(
             return session, welcome
 
     try:
-        session, _welcome = storage_retry(write, what="session_create")
+        session, welcome = storage_retry(write, what="session_create")
     except IntegrityError as exc:
         # Two creators raced for the same key: the loser gets the same clear error.
         raise DialogExists(_("Dialog %(id)s already exists.") % {"id": key.dialog_id}) from exc
-    return session
+    return session, [welcome]
 
 
 def _announce_created(session: Session, welcome: Message) -> None:

@@ -113,6 +113,51 @@ async def test_round_trips_before_the_first_token_of_a_send_to_an_idle_dialog(
     assert contents[-2:] == ["hello", "first token"]
 
 
+async def test_the_first_send_to_a_dialog_this_process_created_reads_none_of_its_history(
+    make_engine, fake_model, user, settings, monkeypatch
+):
+    # covers: G6, B2, A5 (a dialog created here, as a client's connection, `/new` or the
+    # REST API creates one, is held in this process's history from its start: its first
+    # turn is built without reading its messages; one created elsewhere is read once)
+    from chatcore.common.dbthreads import on_db
+    from chatcore.engine.sessions import dialog_create
+    from sessions_app.models import Message
+
+    settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
+    engine = await make_engine(name="created-here")
+    here = await on_db(dialog_create)(
+        owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="here", states=engine.states
+    )
+    elsewhere = await make_dialog(user, dialog_id="elsewhere")
+    await asyncio.sleep(0.5)  # the engine's first sweep runs at start; let it pass
+    reads: dict[str, list[str]] = {}
+    for session in (here, elsewhere):
+        counter = TripCounter(monkeypatch)
+        gate = threading.Event()
+        fake_model.script(Reply(text="first token", gate=gate))
+        try:
+            counter.counting.set()
+            await send(engine, session, "hello")
+            request = (await fake_model.requests_made(1))[-1]
+            _trips, statements = counter.snapshot()
+        finally:
+            counter.counting.clear()
+            gate.set()
+        await engine.wait_idle(session.pk)
+        fake_model.requests.clear()
+        # The messages' read (`selectors.messages_for_context`), not the context's window,
+        # which sums their stored lengths.
+        table = f'FROM "{Message._meta.db_table}" m WHERE'
+        reads[session.dialog_id] = [
+            s for s in statements if s.startswith('SELECT m."id"') and table in s
+        ]
+        # The model saw the same input either way: the user message after the welcome's
+        # place (the welcome itself is never sent to the model).
+        assert strip_runtime(request.body["messages"][-1]["content"]) == "hello"
+    assert reads["here"] == []
+    assert len(reads["elsewhere"]) == 1, reads
+
+
 async def test_a_send_to_an_idle_dialog_reaches_the_model_after_one_or_two_hand_offs_from_the_loop(
     make_engine, fake_model, recorder, user, settings, monkeypatch
 ):

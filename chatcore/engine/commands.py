@@ -24,7 +24,7 @@ from sessions_app.models import Session
 
 from . import limits
 from .dialogs import delete_dialog
-from .sessions import dialog_after_delete
+from .sessions import SessionStates, dialog_after_delete, dialog_create
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -128,10 +128,19 @@ def _line(session: Session, current: Session | None) -> str:
     }
 
 
+def _states(ctx: CommandContext) -> SessionStates | None:
+    """The histories this process holds, which a dialog a command creates joins."""
+    return ctx.engine.states if ctx.engine is not None else None
+
+
 @command("new", usage="/new [title]", help=gettext_lazy("Start a new dialog"), takes_args=True)
 async def _new(ctx: CommandContext, args: str) -> CommandResult:
-    session = await on_db(services.session_create)(
-        owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, title=args or None
+    session = await on_db(dialog_create)(
+        owner=ctx.owner,
+        channel=ctx.channel,
+        chat_id=ctx.chat_id,
+        title=args or None,
+        states=_states(ctx),
     )
     return CommandResult(
         "new",
@@ -199,7 +208,7 @@ async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     await delete_dialog(engine=ctx.engine, session=session, by=ctx.owner)
     current = await on_db(dialog_after_delete)(
-        owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id
+        owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, states=_states(ctx)
     )
     return CommandResult(
         "delete",

@@ -37,9 +37,11 @@ def resolve_dialog(
     chat_id: str,
     dialog_id: str | None = None,
     create: bool = False,
+    states: SessionStates | None = None,
 ) -> Session:
     """B1: the named dialog; without a name, the most recently active live dialog of the chat
-    within the TTL, else a new dialog (which gets its welcome message, B2)."""
+    within the TTL, else a new dialog (which gets its welcome message, B2). `states`: this
+    process's histories, which a dialog created here joins (`dialog_create`)."""
     if dialog_id is not None:
         validate_part(dialog_id, field="dialog_id")
         try:
@@ -49,23 +51,45 @@ def resolve_dialog(
         except NotFound:
             if not create:
                 raise
-            return services.session_create(
-                owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id
+            return dialog_create(
+                owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id, states=states
             )
     recent = selectors.dialog_most_recent_live(owner_id=owner.pk, channel=channel, chat_id=chat_id)
     if recent is not None:
         return recent
-    return services.session_create(owner=owner, channel=channel, chat_id=chat_id)
+    return dialog_create(owner=owner, channel=channel, chat_id=chat_id, states=states)
 
 
-def dialog_after_delete(*, owner: User, channel: str, chat_id: str) -> Session:
+def dialog_create(
+    *,
+    owner: User,
+    channel: str,
+    chat_id: str,
+    dialog_id: str | None = None,
+    title: str | None = None,
+    states: SessionStates | None = None,
+) -> Session:
+    """A new dialog (B2, `services.session_create`), held in `states` from its start: its
+    first turn reads none of its history (G6; in a burst of new dialogs' first sends, that
+    read was a round trip each on the database threads before their first tokens)."""
+    session, messages = services.session_create_with_history(
+        owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id, title=title
+    )
+    if states is not None:
+        states.adopt_created(session, messages)
+    return session
+
+
+def dialog_after_delete(
+    *, owner: User, channel: str, chat_id: str, states: SessionStates | None = None
+) -> Session:
     """The dialog that becomes current after `/delete`: the most recent live one, else new."""
     remaining = selectors.dialog_list_for_chat(
         owner_id=owner.pk, channel=channel, chat_id=chat_id, limit=1
     )
     if remaining:
         return remaining[0]
-    return services.session_create(owner=owner, channel=channel, chat_id=chat_id)
+    return dialog_create(owner=owner, channel=channel, chat_id=chat_id, states=states)
 
 
 def message_bytes(message: Message) -> int:
@@ -281,6 +305,18 @@ class SessionStates:
         while self._states and total > limit:
             _pk, state = self._states.popitem(last=False)
             total -= state.size
+
+    def adopt_created(self, session: Session, messages: list[Message]) -> None:
+        """A dialog this process has just created, with its whole history (`messages`, as
+        stored): held from its start (A5), unless a state of it is held already."""
+        state = SessionState(
+            pk=session.pk, generation=session.generation, last_seq=session.last_seq
+        )
+        state.set_messages(list(messages))
+        with self._lock:
+            if session.pk not in self._states:
+                self._states[session.pk] = state
+                self._enforce_budget()
 
     def apply_appended(self, appended: services.Appended) -> None:
         """Record messages after their write succeeded (A4): never before."""

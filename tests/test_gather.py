@@ -101,3 +101,37 @@ async def test_a_batch_that_fails_sends_each_call_alone_and_a_caller_gone_is_nev
     assert await asyncio.gather(*rest) == [4, 6]
     assert calls.batches == [[2, 3]]
     assert sorted(calls.alone) == [1, 2, 3]
+
+
+async def test_a_batch_cancelled_at_shutdown_ends_its_callers_waits_and_the_rest_go_on() -> None:
+    # covers: F1, G6 (the engine's supervisor cancels a batch's task when it shuts down: its
+    # callers' waits end with it, never hang; calls still waiting are not left behind)
+    tasks: list[asyncio.Task[None]] = []
+    calls = Calls()
+    in_batch, release = threading.Event(), threading.Event()
+
+    def slow(items: list[int]) -> list[Any]:
+        calls.batches.append(list(items))
+        if len(calls.batches) == 1:
+            in_batch.set()
+            release.wait(10)
+        return [item * 2 for item in items]
+
+    gathered: Gathered[int, int] = Gathered(
+        "test calls", slow, spawn=_spawn(tasks), alone_limit=1, max_batch=2
+    )
+    first = asyncio.create_task(gathered(1, calls.made_alone(1)))
+    while calls.alone != [1]:
+        await asyncio.sleep(0.01)
+    waiting = [asyncio.create_task(gathered(i, calls.made_alone(i))) for i in (2, 3, 4)]
+    await asyncio.sleep(0.05)
+    calls.gate.set()
+    assert await first == 2
+    assert await asyncio.to_thread(in_batch.wait, 10)
+    tasks[0].cancel()  # the batch of 2 and 3, its thread still at work
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    release.set()
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert results[2] == 8  # 4 went on, in a batch of its own
+    assert calls.batches == [[2, 3], [4]]

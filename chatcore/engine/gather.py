@@ -4,7 +4,7 @@ A hundred answers streamed together end together: each turn's last step boundary
 whether anything is staged for it (`take_staged`), then its commit writes the answer
 (`commit_outcome`). One at a time each is a trip to the database threads of its own; a
 hundred at once queued on those threads, and the burst's last `turn_updated` waited
-200-250 ms for its turn's trips, on a server that was otherwise idle between deltas
+200-300 ms for its turn's trips, on a server that was otherwise idle between deltas
 (`bench/README.md`). So, as with a burst's admissions (`admissions`), while `alone_limit`
 calls of a kind are under way the next ones wait and then go together, as many as have
 gathered (at most `max_batch`), as one call that does all of them on one connection
@@ -110,11 +110,12 @@ class Gathered(Generic[I, R]):
             )
             outcomes = [ALONE] * len(batch)
         except BaseException:  # shutting down: the callers' waits end with it
+            self._under_way -= 1
             for _item, future in batch:
                 future.cancel()
+            self._next()  # the calls still waiting go on (alone, once shutdown refuses)
             raise
-        finally:
-            self._under_way -= 1
+        self._under_way -= 1
         for (_item, future), outcome in zip(batch, outcomes, strict=True):
             if not future.done():  # else its caller went away: nothing waits for it
                 future.set_result(outcome)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import psycopg
@@ -95,6 +96,41 @@ class Exchanges:
 
     def __exit__(self, *exc: Any) -> None:
         del self.conn.wait
+
+
+class HoldFirst:
+    """A statement wrapper on every engine database thread (`async with`): the first
+    statement `holds` matches waits there until `release()` (so calls made meanwhile gather
+    for a batch); each statement `note` returns a value for is recorded in `seen`."""
+
+    def __init__(self, holds: Any, note: Any = None) -> None:
+        self.holds, self.note = holds, note
+        self.seen: list[Any] = []
+        self._holding, self._released = threading.Event(), threading.Event()
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        noted = self.note(sql, params) if self.note is not None else None
+        if noted is not None:
+            self.seen.append(noted)
+        if self.holds(sql) and not self._holding.is_set():
+            self._holding.set()
+            self._released.wait(10)
+        return execute(sql, params, many, context)
+
+    async def reached(self) -> None:
+        """Until the first matching statement is held."""
+        assert await asyncio.to_thread(self._holding.wait, 10), "nothing was held"
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def __aenter__(self) -> HoldFirst:
+        await wrap_engine_statements(self)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.release()
+        await unwrap_engine_statements(self)
 
 
 async def until_waiting(waiting: Any, count: int, what: str) -> None:

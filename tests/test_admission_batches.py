@@ -29,12 +29,11 @@ from sessions_app.models import Message, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
     Exchanges,
+    HoldFirst,
     history,
     make_dialog,
     send,
     until_waiting,
-    unwrap_engine_statements,
-    wrap_engine_statements,
 )
 from tests.fakemodel import Reply, echo_reply, strip_runtime
 
@@ -285,8 +284,6 @@ async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and
     assert engine.admissions is not None
     engine.admissions.alone_limit = 1
     dialogs = [await make_dialog(await sync_to_async(make_user)()) for _ in range(7)]
-    held, holding = threading.Event(), threading.Event()
-    locks: list[str] = []
     # The first answer in dialogs[1] waits, so its second send finds the turn running.
     answering = threading.Event()
 
@@ -297,39 +294,30 @@ async def test_sends_that_arrive_while_an_admission_is_under_way_go_together_and
 
     fake_model.default = reply
 
-    def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if BATCH_LOCK in sql:
-            locks.append("batch")
-        elif SINGLE_LOCK in sql:
-            locks.append("single")
-            if not holding.is_set():
-                holding.set()
-                held.wait(10)
-        return execute(sql, params, many, context)
+    def lock(sql: str, params: Any) -> str | None:
+        return "batch" if BATCH_LOCK in sql else "single" if SINGLE_LOCK in sql else None
 
-    await wrap_engine_statements(hold_the_first)
     try:
-        first = asyncio.create_task(send(engine, dialogs[0], "first"))
-        assert await asyncio.to_thread(holding.wait, 10)
-        burst = [
-            asyncio.create_task(send(engine, session, f"hello {i}"))
-            for i, session in enumerate(dialogs[1:], start=1)
-        ]
-        again = asyncio.create_task(send(engine, dialogs[1], "again"))
-        await until_waiting(lambda: engine.admissions._waiting, 7, "the burst's sends")
-        held.set()
-        acks = await asyncio.gather(first, *burst)
-        again_ack = await again
+        async with HoldFirst(lambda sql: SINGLE_LOCK in sql, note=lock) as hold:
+            first = asyncio.create_task(send(engine, dialogs[0], "first"))
+            await hold.reached()
+            burst = [
+                asyncio.create_task(send(engine, session, f"hello {i}"))
+                for i, session in enumerate(dialogs[1:], start=1)
+            ]
+            again = asyncio.create_task(send(engine, dialogs[1], "again"))
+            await until_waiting(lambda: engine.admissions._waiting, 7, "the burst's sends")
+            hold.release()
+            acks = await asyncio.gather(first, *burst)
+            again_ack = await again
     finally:
-        held.set()
         answering.set()
-        await unwrap_engine_statements(hold_the_first)
 
     assert [ack.position for ack in acks] == [0] * 7
     assert again_ack.position == 1
     # The first alone; the six together; the second send to dialogs[1] in a batch of its own,
     # which left it (a busy dialog) to its own admission.
-    assert locks == ["single", "batch", "batch", "single"]
+    assert hold.seen == ["single", "batch", "batch", "single"]
 
     async def answered(session: Session, count: int) -> list[tuple[str, str]]:
         deadline = time.monotonic() + 15

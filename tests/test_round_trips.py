@@ -21,14 +21,13 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 
 from tests.engine_helpers import (
+    HoldFirst,
     chat_group_of,
     gated_answers,
     history,
     make_dialog,
     send,
     until_waiting,
-    unwrap_engine_statements,
-    wrap_engine_statements,
 )
 from tests.fakemodel import Reply, strip_runtime
 
@@ -827,40 +826,34 @@ async def test_step_boundaries_that_come_together_are_read_together(
     recorders = [await recorder(chat_group_of(s)) for s in dialogs]
     gate = threading.Event()
     fake_model.default = gated_answers(gate)
-    checks: list[int] = []
-    held, holding = threading.Event(), threading.Event()
 
-    def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if sql.startswith('SELECT s."id", s."lease_owner", s."lease_epoch", EXISTS'):
-            # The dialogs asked about: an array on PostgreSQL, one parameter each on SQLite.
-            checks.append(len(params[-1]) if isinstance(params[-1], list) else len(params) - 1)
-        elif sql.startswith("SELECT EXISTS") and sql.count("EXISTS") == 1 and "lease_owner" in sql:
-            # A boundary's read alone: the first one waits until the others have gathered.
-            if not holding.is_set():
-                holding.set()
-                held.wait(10)
-        return execute(sql, params, many, context)
+    def together(sql: str, params: Any) -> int | None:
+        if not sql.startswith('SELECT s."id", s."lease_owner", s."lease_epoch", EXISTS'):
+            return None
+        # The dialogs asked about: an array on PostgreSQL, one parameter each on SQLite.
+        return len(params[-1]) if isinstance(params[-1], list) else len(params) - 1
 
-    await wrap_engine_statements(hold_the_first)
+    def alone(sql: str) -> bool:  # a boundary's read alone: the first waits for the rest
+        return sql.startswith("SELECT EXISTS") and sql.count("EXISTS") == 1 and "lease_owner" in sql
+
     try:
-        acks = [await send(engine, s, f"question {i}") for i, s in enumerate(dialogs)]
-        await fake_model.requests_made(5)
-        await send(engine, dialogs[2], "and briefly", mode="steer")
-        await asyncio.sleep(0.2)
-        gate.set()
-        assert await asyncio.to_thread(holding.wait, 10)
-        await until_waiting(lambda: engine.workers.boundaries._waiting, 4, "the boundaries")
-        held.set()
-        ends = [
-            await rec.terminal(ack.turn_id, timeout=15)
-            for rec, ack in zip(recorders, acks, strict=True)
-        ]
+        async with HoldFirst(alone, note=together) as hold:
+            acks = [await send(engine, s, f"question {i}") for i, s in enumerate(dialogs)]
+            await fake_model.requests_made(5)
+            await send(engine, dialogs[2], "and briefly", mode="steer")
+            await asyncio.sleep(0.2)
+            gate.set()
+            await hold.reached()
+            await until_waiting(lambda: engine.workers.boundaries._waiting, 4, "the boundaries")
+            hold.release()
+            ends = [
+                await rec.terminal(ack.turn_id, timeout=15)
+                for rec, ack in zip(recorders, acks, strict=True)
+            ]
     finally:
         gate.set()
-        held.set()
-        await unwrap_engine_statements(hold_the_first)
     assert [end["status"] for end in ends] == ["completed"] * 5
-    assert checks == [4]  # the four that came while the first was read, in one statement
+    assert hold.seen == [4]  # the four that came while the first was read, in one statement
     steered = [(m.role, m.content) for m in await history(dialogs[2]) if m.role != "system"]
     assert steered[-3:] == [
         ("assistant", "the answer to question 2"),

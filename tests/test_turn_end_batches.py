@@ -35,14 +35,13 @@ from sessions_app.models import Message, MessageKind, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
     Exchanges,
+    HoldFirst,
     chat_group_of,
     gated_answers,
     history,
     make_dialog,
     send,
     until_waiting,
-    unwrap_engine_statements,
-    wrap_engine_statements,
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
@@ -243,38 +242,31 @@ async def test_answers_that_end_together_commit_together_and_every_client_sees_i
     recorders = [await recorder(chat_group_of(s), publish.session_group(s.pk)) for s in dialogs]
     gate = threading.Event()
     fake_model.default = gated_answers(gate)
-    locks: list[int] = []
-    held, holding = threading.Event(), threading.Event()
 
-    def hold_the_first(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if BATCH_LOCK in sql:
-            locks.append(len(params[0]))
-        elif sql.endswith('WHERE s."id" = %s FOR UPDATE') and not holding.is_set():
-            # A commit alone: the first one waits until the other ends have gathered.
-            holding.set()
-            held.wait(10)
-        return execute(sql, params, many, context)
+    def alone(sql: str) -> bool:  # a commit alone: the first waits for the other ends
+        return sql.endswith('WHERE s."id" = %s FOR UPDATE')
 
-    await wrap_engine_statements(hold_the_first)
+    def batch(sql: str, params: Any) -> int | None:
+        return len(params[0]) if BATCH_LOCK in sql else None
+
     try:
-        acks = [await send(engine, s, f"question {i}") for i, s in enumerate(dialogs)]
-        await fake_model.requests_made(6)
-        await asyncio.sleep(0.2)  # every answer's text is in; each stream holds before its end
-        gate.set()
-        assert await asyncio.to_thread(holding.wait, 10)
-        await until_waiting(lambda: endings._waiting, 5, "the other ends")
-        held.set()
-        ends = [
-            await rec.terminal(ack.turn_id, timeout=15)
-            for rec, ack in zip(recorders, acks, strict=True)
-        ]
+        async with HoldFirst(alone, note=batch) as hold:
+            acks = [await send(engine, s, f"question {i}") for i, s in enumerate(dialogs)]
+            await fake_model.requests_made(6)
+            await asyncio.sleep(0.2)  # every answer's text is in; each holds before its end
+            gate.set()
+            await hold.reached()
+            await until_waiting(lambda: endings._waiting, 5, "the other ends")
+            hold.release()
+            ends = [
+                await rec.terminal(ack.turn_id, timeout=15)
+                for rec, ack in zip(recorders, acks, strict=True)
+            ]
     finally:
         gate.set()
-        held.set()
-        await unwrap_engine_statements(hold_the_first)
     assert [end["status"] for end in ends] == ["completed"] * 6
     # The first end alone; the five that came while it was under way, in one transaction.
-    assert locks == [5]
+    assert hold.seen == [5]
     for i, (session, rec, ack) in enumerate(zip(dialogs, recorders, acks, strict=True)):
         got = [(m.role, m.content) for m in await history(session) if m.role != "system"]
         assert got[-2:] == [("user", f"question {i}"), ("assistant", f"the answer to question {i}")]

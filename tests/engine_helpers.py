@@ -135,7 +135,7 @@ class HoldFirst:
 
 async def until_waiting(waiting: Any, count: int, what: str) -> None:
     """Until `count` calls wait for a batch (`waiting`: a batcher's list of waiting calls,
-    `Gathered._waiting` or `AdmissionBatches._waiting`)."""
+    `Gathered._waiting`)."""
     deadline = asyncio.get_running_loop().time() + 10
     while len(waiting()) < count:
         assert asyncio.get_running_loop().time() < deadline, f"{what} did not gather"

@@ -1,5 +1,6 @@
 """Sends that come while other admissions are under way are admitted together, one
-transaction per batch, on PostgreSQL (SPEC G6, C1, C2, C3, F7; `chatcore.engine.admissions`).
+transaction per batch, on PostgreSQL (SPEC G6, C1, C2, C3, F7; `Engine.admissions`, a
+`chatcore.engine.gather.Gathered`).
 
 Whatever a batch does not start there and then (a busy or deleted dialog, a refused charge, a
 failed transaction) is admitted on its own, exactly as any send."""

@@ -135,3 +135,106 @@ async def test_a_batch_cancelled_at_shutdown_ends_its_callers_waits_and_the_rest
     assert isinstance(results[1], asyncio.CancelledError)
     assert results[2] == 8  # 4 went on, in a batch of its own
     assert calls.batches == [[2, 3], [4]]
+
+
+async def test_calls_of_one_key_go_in_order_and_a_batch_holds_one_per_distinct_value() -> None:
+    # covers: G6, C1, F7 (a dialog's sends are admitted one at a time in the order they came,
+    # whether alone or in a batch; a batch holds at most one send per sender)
+    tasks: list[asyncio.Task[None]] = []
+    calls = Calls()
+    # An item: dialog * 100 + sender * 10 + n; key = its dialog, distinct = its sender.
+    gathered: Gathered[int, int] = Gathered(
+        "test calls",
+        calls.together,
+        spawn=_spawn(tasks),
+        alone_limit=1,
+        key=lambda item: item // 100,
+        distinct=lambda item: item // 10 % 10,
+    )
+    first = asyncio.create_task(gathered(110, calls.made_alone(110)))
+    while calls.alone != [110]:
+        await asyncio.sleep(0.01)
+    # Dialog 1's second call waits for its first; dialogs 2 and 3 share sender 2; dialog
+    # 4's two calls come one after the other.
+    items = [111, 220, 320, 430, 431]
+    rest = [asyncio.create_task(gathered(i, calls.made_alone(i))) for i in items]
+    await asyncio.sleep(0.05)
+    assert calls.batches == []
+    calls.gate.set()
+    assert await first == 220
+    assert await asyncio.gather(*rest) == [i * 2 for i in items]
+    # The first batch: one per dialog and per sender (dialog 1's first call had ended when it
+    # formed). Then 320, whose sender was in it; 431 only once 430's caller was done.
+    assert calls.batches == [[111, 220, 430], [320], [431]]
+
+
+async def test_a_key_stays_held_while_its_call_goes_alone_after_its_batch() -> None:
+    # covers: C1 (a send the batch left to its own admission is still the dialog's send
+    # under way: the dialog's next send waits for it, never overtakes it)
+    tasks: list[asyncio.Task[None]] = []
+    calls = Calls()
+    gates = {item: threading.Event() for item in (1, 107, 108)}
+
+    def made_alone(item: int) -> Any:
+        async def call() -> int:
+            calls.alone.append(item)
+            await asyncio.to_thread(gates[item].wait, 10)
+            return item * 2
+
+        return call
+
+    gathered: Gathered[int, int] = Gathered(
+        "test calls", calls.together, spawn=_spawn(tasks), alone_limit=1, key=lambda i: i // 100
+    )
+    first = asyncio.create_task(gathered(1, made_alone(1)))
+    while calls.alone != [1]:
+        await asyncio.sleep(0.01)
+    left = asyncio.create_task(gathered(107, made_alone(107)))  # its batch leaves it
+    await asyncio.sleep(0.05)
+    gates[1].set()
+    assert await first == 2
+    while calls.alone != [1, 107]:  # after its batch, on its own, held at its gate
+        await asyncio.sleep(0.01)
+    after = asyncio.create_task(gathered(108, made_alone(108)))  # the same key
+    await asyncio.sleep(0.05)
+    assert calls.batches == [[107]]
+    assert calls.alone == [1, 107]  # 108 waits for 107's own call
+    gates[107].set()
+    gates[108].set()
+    assert await left == 214
+    assert await after == 216
+    assert calls.batches == [[107], [108]]
+
+
+def _refusing_spawn(name: str, coro: Coroutine[Any, Any, None]) -> None:
+    coro.close()
+    raise RuntimeError("shutting down")
+
+
+async def test_at_shutdown_waiting_calls_are_refused_when_asked_and_else_go_alone() -> None:
+    # covers: F1, A4 (a send that waits for a batch when the engine shuts down is refused,
+    # with nothing written; a turn's end that waits goes alone and still commits)
+    for refuse in (True, False):
+        calls = Calls()
+        gathered: Gathered[int, int] = Gathered(
+            "test calls",
+            calls.together,
+            spawn=_refusing_spawn,
+            alone_limit=1,
+            refuse_at_shutdown=refuse,
+        )
+        first = asyncio.create_task(gathered(1, calls.made_alone(1)))
+        while calls.alone != [1]:
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.create_task(gathered(i, calls.made_alone(i))) for i in (2, 3)]
+        await asyncio.sleep(0.05)
+        calls.gate.set()
+        assert await first == 2
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        if refuse:
+            assert [str(r) for r in results] == ["shutting down", "shutting down"]
+            assert calls.alone == [1]
+        else:
+            assert results == [4, 6]
+            assert sorted(calls.alone) == [1, 2, 3]
+        assert calls.batches == []

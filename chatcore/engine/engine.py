@@ -37,8 +37,8 @@ from sessions_app import rows, storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
 from . import control, limits, queue, snapshots
-from .admissions import AdmissionBatches
 from .delivery import DeliveryCoordinator
+from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
 from .layerwatch import LayerWatch
 from .provider import provider_from_settings
@@ -111,13 +111,21 @@ class Engine:
         # PostgreSQL each has its own trip, and those of different dialogs run side by side.
         self.writes = Lane("writes") if connection.vendor == "sqlite" else None
         # G6: there, sends that come faster than their admissions finish are admitted
-        # together, a transaction per batch (`admissions`).
-        self.admissions = (
-            AdmissionBatches(
-                self.cfg,
-                states=self.states,
-                alone_limit=max(1, dbthreads.thread_count() // 3),
+        # together, a transaction per batch (`queue.admit_and_start_many`): in a burst of a
+        # hundred sends, the CPU of a transaction each (statements, hops, a COMMIT, under
+        # the one interpreter lock) is what the last first token waits for, and together it
+        # is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
+        # the order they came (C1), and a batch starts at most one send of each sender (its
+        # F7 counts are read once per batch); at shutdown a waiting send is refused.
+        self.admissions: Gathered[queue.Admission, tuple[Ack, queue.Started | None]] | None = (
+            Gathered(
+                "admissions",
+                functools.partial(queue.admit_and_start_many, cfg=self.cfg, states=self.states),
                 spawn=self.supervisor.spawn,
+                alone_limit=max(1, dbthreads.thread_count() // 3),
+                key=lambda admission: str(admission.session.pk),
+                distinct=lambda admission: admission.inbound.owner.pk,
+                refuse_at_shutdown=True,
             )
             if self.writes is None
             else None
@@ -313,7 +321,7 @@ class Engine:
                 on_started=on_started,
                 context_chars=context_chars,
             )
-            ack, started = await self.admissions.admit(admission, alone)
+            ack, started = await self.admissions(admission, alone)
         else:
             ack, started = await alone()
         if started is not None and started.lease is held:

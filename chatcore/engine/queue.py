@@ -44,6 +44,7 @@ from sessions_app.models import (
 )
 
 from . import lease, limits
+from .gather import ALONE
 from .ingress import Ack, Inbound
 from .lease import Lease, LeaseLost
 from .sessions import SessionStates
@@ -481,9 +482,8 @@ class Admission:
     context_chars: int | None = None
 
 
-# `admit_and_start_many`: this send is admitted on its own (`admit_and_start`) after the batch.
-ALONE = object()
-
+# `admit_and_start_many`'s outcome of one send: its ack and started turn, its own error, or
+# `ALONE` (it is admitted on its own, `admit_and_start`, after the batch).
 AdmissionOutcome = tuple[Ack, Started] | BaseException | object
 
 

@@ -1,6 +1,6 @@
 """A burst's admissions on PostgreSQL, alone against together: per send, the admitting
 thread's CPU and wall time for sends to idle dialogs admitted and started one transaction
-each (`queue.admit_and_start`) and a batch per transaction (`queue.admit_and_start_many`).
+each (`admission.admit_and_start`) and a batch per transaction (`admission.admit_and_start_many`).
 
     .venv/bin/python bench/admission_bench.py \\
         --database-url postgres://postgres@127.0.0.1:5432/test [--sends 96] [--batch 32]
@@ -55,12 +55,12 @@ def inbound(session: Any) -> Any:
 def alone(sessions: list[Any]) -> tuple[float, float]:
     from django.conf import settings
 
-    from chatcore.engine import queue
+    from chatcore.engine import admission
     from chatcore.engine.sessions import SessionStates
 
     wall, cpu = time.perf_counter(), time.thread_time()
     for session in sessions:
-        _ack, started = queue.admit_and_start(
+        _ack, started = admission.admit_and_start(
             inbound(session), session, cfg=settings.CHAT, states=SessionStates(), start_as="b"
         )
         assert started is not None
@@ -70,13 +70,13 @@ def alone(sessions: list[Any]) -> tuple[float, float]:
 def together(sessions: list[Any], size: int) -> tuple[float, float]:
     from django.conf import settings
 
-    from chatcore.engine import queue
+    from chatcore.engine import admission
     from chatcore.engine.sessions import SessionStates
 
     wall, cpu = time.perf_counter(), time.thread_time()
     for first in range(0, len(sessions), size):
-        batch = [queue.Admission(inbound(s), s, "b") for s in sessions[first : first + size]]
-        outcomes = queue.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
+        batch = [admission.Admission(inbound(s), s, "b") for s in sessions[first : first + size]]
+        outcomes = admission.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
         assert all(isinstance(o, tuple) for o in outcomes), outcomes
     return time.perf_counter() - wall, time.thread_time() - cpu
 

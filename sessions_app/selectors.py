@@ -217,7 +217,7 @@ def turn_context(
     - the owner's `notes_limit` newest memory notes, oldest first (C8).
 
     `ahead`: read before a message of that many characters is appended (a send's turn
-    context, read by its admission with the dialog's row locked, `queue.lock_for_admission`):
+    context, read by its admission with the dialog's row locked, `admission.lock_for_admission`):
     the window is the one that message's append will give, and the dialog's `last_seq` and
     `state_version` come along (`revision`), for the reader to check that nothing else
     changed meanwhile."""
@@ -235,7 +235,7 @@ def turn_context(
 
 class TurnContextStatement:
     """`turn_context`'s statement, for a caller that sends it with others in one round trip
-    (`queue.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
+    (`admission.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
 
     The parts are told apart by the first column; all of them use the compaction's columns
     (the window's boundary in `through_seq`, a note in `summary` and `created_at`), so every

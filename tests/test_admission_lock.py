@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from django.db import connections, transaction
 
-from chatcore.engine import queue
+from chatcore.engine import admission
 from sessions_app import services
 from sessions_app.models import Session, Turn, TurnStatus
 from tests.storage_helpers import create
@@ -45,10 +45,10 @@ def test_an_admission_that_waited_for_the_row_sees_the_turn_started_meanwhile(us
         finally:
             connections.close_all()
 
-    def admission() -> None:
+    def admit_beside() -> None:
         try:
             with transaction.atomic():
-                live, state = queue.lock_for_admission(session.pk, user.pk)
+                live, state = admission.lock_for_admission(session.pk, user.pk)
                 seen.update(state=state, counter=live.turn_counter)
         finally:
             connections.close_all()
@@ -56,7 +56,7 @@ def test_an_admission_that_waited_for_the_row_sees_the_turn_started_meanwhile(us
     first = threading.Thread(target=other_send, daemon=True)
     first.start()
     assert holding.wait(10)
-    second = threading.Thread(target=admission, daemon=True)
+    second = threading.Thread(target=admit_beside, daemon=True)
     second.start()
     time.sleep(0.3)  # the admission now waits for the row (or SQLite's write lock)
     assert not seen

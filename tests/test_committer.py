@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from chatcore.engine import lease, queue
+from chatcore.engine import admission, lease, queue
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.lease import LeaseLost
 from chatcore.engine.sessions import SessionStates
@@ -41,7 +41,7 @@ def _submit(user: Any, session: Any, content: str, mode: str = "send") -> Any:
         sender_id=str(user.pk),
         mode=mode,
     )
-    return queue.admit(inbound, session, cfg=settings.CHAT, states=SessionStates())
+    return admission.admit(inbound, session, cfg=settings.CHAT, states=SessionStates())
 
 
 def _claim(session: Any) -> tuple[Turn, lease.Lease, queue.Started]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 
-from chatcore.engine import queue
+from chatcore.engine import admission, queue
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.sessions import SessionStates
 from chatcore.engine.turns.committer import CommitResult
@@ -32,7 +32,7 @@ def _inbound(user: Any, session: Any, content: str) -> Inbound:
 
 def _admit_under(held: Any, user: Any, session: Any) -> tuple[Any, Any]:
     """A send admitted while this process's worker holds the dialog's lease."""
-    return queue.admit_and_start(
+    return admission.admit_and_start(
         _inbound(user, session, "next"),
         session,
         cfg=settings.CHAT,

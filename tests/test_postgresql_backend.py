@@ -559,7 +559,7 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
     # the turn, its user message and the lease written with the COMMIT, the second)
     from django.conf import settings
 
-    from chatcore.engine import queue
+    from chatcore.engine import admission, queue
     from chatcore.engine.ingress import Inbound
     from chatcore.engine.sessions import SessionStates
     from sessions_app import services
@@ -571,7 +571,7 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
     )
     connection.ensure_connection()
     with Exchanges(connection.connection) as exchanges:
-        ack, started = queue.admit_and_start(
+        ack, started = admission.admit_and_start(
             inbound, session, cfg=settings.CHAT, states=SessionStates(), start_as="worker"
         )
     assert exchanges.count == 2

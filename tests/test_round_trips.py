@@ -408,7 +408,7 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
     from asgiref.sync import sync_to_async
     from django.conf import settings as live
 
-    from chatcore.engine import queue
+    from chatcore.engine import admission, queue
     from chatcore.engine.ingress import Inbound
     from chatcore.engine.sessions import SessionStates
 
@@ -446,7 +446,7 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
         owner=user, channel="web", chat_id=session.chat_id, content="three", sender_id="s"
     )
     # Admitted as another process admits it: queued behind the running turn, no kick here.
-    third = await sync_to_async(queue.admit)(
+    third = await sync_to_async(admission.admit)(
         elsewhere, session, cfg=live.CHAT, states=SessionStates()
     )
     assert third.position == 1
@@ -473,7 +473,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     # trip, ahead of its lock: its build reads nothing more; a compaction that lands before
     # the admission is in the model's input, and so is one that another transaction commits
     # while the admission's lock waits: the build sees the row's revision moved, reads anew)
-    from chatcore.engine import queue
+    from chatcore.engine import admission
     from sessions_app import selectors, turn_services
     from sessions_app.models import Session
 
@@ -485,7 +485,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     await engine.wait_idle(session.pk)
 
     reads: list[str] = []
-    real_read, real_lock = selectors.turn_context, queue.lock_for_admission
+    real_read, real_lock = selectors.turn_context, admission.lock_for_admission
     before_lock = threading.Event()
     holding, go = threading.Event(), threading.Event()
 
@@ -527,7 +527,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
             connection.close()
 
     monkeypatch.setattr(selectors, "turn_context", read)
-    monkeypatch.setattr(queue, "lock_for_admission", lock)
+    monkeypatch.setattr(admission, "lock_for_admission", lock)
 
     fake_model.script(Reply(text="second answer"))
     await send(engine, session, "two")
@@ -582,7 +582,7 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     from asgiref.sync import sync_to_async
 
     from chatcore.common import dbthreads
-    from chatcore.engine import queue
+    from chatcore.engine import admission
 
     settings.CHAT = {**settings.CHAT, "LEASE_SECONDS": 600, "CHECKPOINT_SECONDS": 600}
     engine = await make_engine(name="burst-order")
@@ -591,7 +591,7 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
         await make_dialog(await sync_to_async(make_user)(f"order{i}")) for i in range(width)
     ]
     log: list[str] = []
-    real_admit = queue.admit_and_start
+    real_admit = admission.admit_and_start
 
     def admit(*args: Any, **kwargs: Any) -> Any:
 
@@ -604,7 +604,7 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
         log.append("model request")
         return Reply(text="hi")
 
-    monkeypatch.setattr(queue, "admit_and_start", admit)
+    monkeypatch.setattr(admission, "admit_and_start", admit)
     fake_model.default = reply
     acks = await asyncio.gather(*(send(engine, s, "hello") for s in sessions))
     assert all(ack.turn_id is not None for ack in acks)

@@ -36,7 +36,7 @@ from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import rows, storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
-from . import control, limits, queue, snapshots
+from . import admission, control, limits, queue, snapshots
 from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
@@ -111,20 +111,20 @@ class Engine:
         # PostgreSQL each has its own trip, and those of different dialogs run side by side.
         self.writes = Lane("writes") if connection.vendor == "sqlite" else None
         # G6: there, sends that come faster than their admissions finish are admitted
-        # together, a transaction per batch (`queue.admit_and_start_many`): in a burst of a
+        # together, a transaction per batch (`admission.admit_and_start_many`): in a burst of a
         # hundred sends, the CPU of a transaction each (statements, hops, a COMMIT, under
         # the one interpreter lock) is what the last first token waits for, and together it
         # is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
         # the order they came (C1), and a batch starts at most one send of each sender (its
         # F7 counts are read once per batch); at shutdown a waiting send is refused.
-        self.admissions: Gathered[queue.Admission, tuple[Ack, queue.Started | None]] | None = (
+        self.admissions: Gathered[admission.Admission, tuple[Ack, queue.Started | None]] | None = (
             Gathered(
                 "admissions",
-                functools.partial(queue.admit_and_start_many, cfg=self.cfg, states=self.states),
+                functools.partial(admission.admit_and_start_many, cfg=self.cfg, states=self.states),
                 spawn=self.supervisor.spawn,
                 alone_limit=max(1, dbthreads.thread_count() // 3),
-                key=lambda admission: str(admission.session.pk),
-                distinct=lambda admission: admission.inbound.owner.pk,
+                key=lambda send: str(send.session.pk),
+                distinct=lambda send: send.inbound.owner.pk,
                 refuse_at_shutdown=True,
             )
             if self.writes is None
@@ -210,7 +210,7 @@ class Engine:
         else:
             await limits.acharge(inbound.owner.pk, limits.SEND, self.cfg)
         # G6: a send to a dialog this process does not run now may start its turn in the
-        # admitting transaction (`queue.admit_and_start`), and so may one to a dialog whose
+        # admitting transaction (`admission.admit_and_start`), and so may one to a dialog whose
         # worker here lingers after its last turn (under that worker's lease, handed to it);
         # otherwise the usual kick.
         start_as = None if self.workers.running(session.pk) else self.process_id
@@ -288,7 +288,7 @@ class Engine:
             on_started = build_once_committed
 
         def admit() -> tuple[Ack, queue.Started | None]:
-            return queue.admit_and_start(
+            return admission.admit_and_start(
                 inbound,
                 session,
                 cfg=self.cfg,
@@ -313,7 +313,7 @@ class Engine:
             and inbound.accept is None
             and inbound.mode in ("send", "steer")
         ):
-            admission = queue.Admission(
+            send = admission.Admission(
                 inbound,
                 session,
                 start_as,
@@ -321,7 +321,7 @@ class Engine:
                 on_started=on_started,
                 context_chars=context_chars,
             )
-            ack, started = await self.admissions(admission, alone)
+            ack, started = await self.admissions(send, alone)
         else:
             ack, started = await alone()
         if started is not None and started.lease is held:

@@ -1,7 +1,7 @@
 """Ingress (C1, C5, F7): the normalised inbound message, its admission checks and limits,
 and the answers the engine gives to an accepted send (`Ack`) or a stop (`StopResult`).
 
-A refusal raises a `ChatError` and changes nothing; what passes goes to `queue.admit`, which
+A refusal raises a `ChatError` and changes nothing; what passes goes to `admission.admit`, which
 stores it before it is acknowledged (C2).
 """
 

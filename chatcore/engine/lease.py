@@ -65,7 +65,7 @@ class Waiting:
 
 
 QUEUED_TURNS = Waiting(Turn._meta.db_table, TurnStatus.QUEUED)
-# A turn started under the lease of a lingering worker (`queue.admit_and_start`), which that
+# A turn started under the lease of a lingering worker (`admission.admit_and_start`), which that
 # worker is about to run.
 RUNNING_TURNS = Waiting(Turn._meta.db_table, TurnStatus.RUNNING)
 STAGED_INPUTS = Waiting(StagedInput._meta.db_table, StagedInput.Status.STAGED)

@@ -192,7 +192,7 @@ class Workers:
         return worker is not None and not worker.done()
 
     async def start_claimed(self, started: queue.Started) -> None:
-        """Run a turn `queue.admit_and_start` claimed under a lease it took (G6): the model
+        """Run a turn `admission.admit_and_start` claimed under a lease it took (G6): the model
         request goes out next; the user message's `history_delta` is published by a task of
         its own once that request is on its way (`_run_turn`), never awaited here."""
         session_pk = started.session.pk
@@ -212,7 +212,7 @@ class Workers:
     def lingering_lease(self, session_pk: str) -> Lease | None:
         """The lease of this process's worker of the dialog while it is between turns (from
         the commit of its last turn: its after-turn steps, claiming the next, lingering,
-        releasing), for a send to start its turn under (`queue.admit_and_start`). The
+        releasing), for a send to start its turn under (`admission.admit_and_start`). The
         admitting transaction checks that the row still shows it (and that nothing is
         staged), and a release never frees it under such a turn (`lease.release_if_idle`)."""
         if session_pk in self._between and self.running(session_pk):

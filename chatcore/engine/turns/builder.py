@@ -219,7 +219,7 @@ def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:
     """A started turn's context as its admission read it, in the round trip of its lock
-    (`queue.lock_for_admission`), for the row that admission left: the user message appended
+    (`admission.lock_for_admission`), for the row that admission left: the user message appended
     as the one message after the revision the read saw, and the state version raised once by
     that append. None (read it again) when the row shows anything else."""
     if found is None or session is None:

@@ -1,7 +1,8 @@
 """The engine of one process, a facade over the data flow (STYLE "The shape"):
 
-    ingress (admission checks, `Inbound`) -> queue (durable per-dialog FIFO, lease writes)
-    -> worker (claim, run builder -> runner -> committer, finish) -> publish
+    ingress (admission checks, `Inbound`) -> admission (stored before the ack; a send to an
+    idle dialog started in the same transaction) -> queue (durable per-dialog FIFO, lease
+    writes) -> worker (claim, run builder -> runner -> committer, finish) -> publish
 
 with snapshots and checkpoints (`snapshots`), the control channel and sweeps (`control`),
 background jobs through the scheduler it is built with (`scheduler`), external delivery off

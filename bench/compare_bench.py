@@ -111,6 +111,12 @@ class Model:
 
     def own_times(self, paced: bool, n: int = 20) -> tuple[float, float]:
         """The model's own time to first delta (p50) and to the end of one answer."""
+        firsts, totals = self.own_samples(paced, n)
+        return statistics.median(firsts), statistics.median(totals)
+
+    def own_samples(self, paced: bool, n: int = 20) -> tuple[list[float], list[float]]:
+        """`n` answers (2 when `paced`) asked directly, one after another: each one's time to
+        first delta and to its end."""
         import httpx
 
         firsts, totals = [], []
@@ -130,7 +136,7 @@ class Model:
                             first = time.perf_counter()
                 firsts.append((first or time.perf_counter()) - start)
                 totals.append(time.perf_counter() - start)
-        return statistics.median(firsts), statistics.median(totals)
+        return firsts, totals
 
     def stop(self) -> None:
         assert self.proc.stdin is not None
@@ -338,7 +344,9 @@ async def one_client(
     expected: str,
     start: asyncio.Event,
     ready: list[int],
+    pause: float = 0.0,
 ) -> list[Stream]:
+    """`pause`: seconds to wait before each send."""
     from websockets.asyncio.client import connect
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -351,6 +359,8 @@ async def one_client(
         ready.append(1)
         await start.wait()
         for _ in range(sends):
+            if pause:
+                await asyncio.sleep(pause)
             sent_at = time.perf_counter()
             await ws.send(json.dumps({"type": "send", "content": content}))
             first = None
@@ -399,7 +409,7 @@ async def one_client(
 
 
 async def run_clients(
-    target: Target, clients: int, sends: int, content: str, expected: str
+    target: Target, clients: int, sends: int, content: str, expected: str, *, pause: float = 0.0
 ) -> list[Stream]:
     start = asyncio.Event()
     ready: list[int] = []
@@ -408,7 +418,9 @@ async def run_clients(
         url = target.urls[i % len(target.urls)]
         token = target.tokens[i] if target.platform else None
         tasks.append(
-            asyncio.create_task(one_client(url, token, sends, content, expected, start, ready))
+            asyncio.create_task(
+                one_client(url, token, sends, content, expected, start, ready, pause)
+            )
         )
     while len(ready) < clients:
         for task in tasks:
@@ -420,8 +432,14 @@ async def run_clients(
 
 
 def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str, Any]:
-    fast_first, _ = model.own_times(paced=False)
     _, paced_total = model.own_times(paced=True)
+    # The model's own time to first delta: asked directly right before the turns (before
+    # their warm-up, which must lead straight into them) and right after them, one answer
+    # after another as the turns go; the median of both. Asked once as the target had just
+    # started, it read 0.45 to 2.3 ms in one run (the machine still busy with the last
+    # target's end or this one's start), against turns whose own TTFT moved by 0.3 ms, and
+    # that was most of the spread of the floor's added time.
+    before, _ = model.own_samples(paced=False)
     # Warm up (imports, connections), then one turn at a time. The client's heap is taken
     # out of its collector's view first, as the model's is: a full pass over it stopped the
     # client for 10-15 ms, which showed as one target's slowest first token.
@@ -431,6 +449,8 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
     cpu0 = target.cpu_seconds()
     serial = asyncio.run(run_clients(target, 1, args.turns, "fast", model.text))
     cpu = (target.cpu_seconds() - cpu0) / args.turns
+    after, _ = model.own_samples(paced=False)
+    fast_first = statistics.median(before + after)
     added = [max(0.0, s.ttft - fast_first) * 1000 for s in serial]
     cpu0 = target.cpu_seconds()
     burst = asyncio.run(run_clients(target, args.streams, 1, "paced", model.text))
@@ -441,6 +461,7 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
     return {
         "ttft_p50": statistics.median(added),
         "ttft_p99": percentile(added, 99),
+        "model_first_ms": fast_first * 1000,
         "cpu_ms": cpu * 1000,
         "delivered": delivered / offered,
         "burst_p99": percentile([s.ttft * 1000 for s in burst], 99),

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/send_timeline.py [--turns 60] [--scaled
         --database-url postgres://postgres@127.0.0.1:5432/test --redis-url redis://127.0.0.1:6379/9]
-        [--loop-between START END]
+        [--loop-between START END] [--slowest N]
 
 One `manage.py serve` process (embedded mode, or with `--scaled` PostgreSQL + Redis on a
 throwaway database), the fake model of `compare_bench.py` in its own process, and one client
@@ -26,6 +26,8 @@ microseconds per step; read the figures beside each other, not as the platform's
 `"socket: turn_snapshot>"`) also times every callback the event loop runs and prints, per
 send, how long the loop spent on what between the two: a span much longer than the loop's
 busy time waited for another thread or a server; a busy span shows whose work came first.
+
+`--slowest N` also prints every step of the N sends whose first snapshot went out last.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main(args: argparse.Namespace) -> None:
     hooks = {
         "SEND_TIMELINE": str(out),
         "SEND_TIMELINE_LOOP": "|".join(args.loop_between or ()),
+        "SEND_TIMELINE_SLOWEST": str(args.slowest),
         "PYTHONPATH": os.pathsep.join(
             p for p in (str(ROOT / "bench" / "timeline"), os.environ.get("PYTHONPATH")) if p
         ),
@@ -105,5 +108,12 @@ if __name__ == "__main__":
         metavar=("START", "END"),
         help="also time the event loop's callbacks between these two steps, as printed "
         '(e.g. "model socket read<" "socket: turn_snapshot>")',
+    )
+    parser.add_argument(
+        "--slowest",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print every step of the N sends whose first snapshot went out last",
     )
     main(parser.parse_args())

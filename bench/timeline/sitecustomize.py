@@ -65,7 +65,7 @@ if os.environ.get("SEND_TIMELINE"):
         import httpx
 
         from chatcore.common import dbthreads
-        from chatcore.engine import engine, limits, provider_net, queue, snapshots, worker
+        from chatcore.engine import admission, engine, limits, provider_net, snapshots, worker
         from chatcore.engine.turns import runner
         from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
@@ -73,9 +73,9 @@ if os.environ.get("SEND_TIMELINE"):
         steps: list[tuple[Any, str, str]] = [
             (consumers.ChatConsumer, "receive", "frame received"),
             (engine.Engine, "submit", "submit"),
-            (queue, "admit_and_start", "admission"),
-            (queue, "lock_for_admission", "locked row and counts"),
-            (queue, "_start_locked", "turn started in the admission"),
+            (admission, "admit_and_start", "admission"),
+            (admission, "lock_for_admission", "locked row and counts"),
+            (admission, "_start_locked", "turn started in the admission"),
             (limits.PendingCharge, "wait", "send-rate charge read"),
             (pg.DatabaseWrapper, "_commit", "COMMIT"),
             (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
@@ -188,6 +188,22 @@ if os.environ.get("SEND_TIMELINE"):
             lines.append(f"{label[:46]:<46} {total / len(spans):8.3f}")
         return lines
 
+    # `SEND_TIMELINE_SLOWEST`: how many of the sends whose first snapshot reached the socket
+    # last to print step by step (`--slowest`).
+    _SLOWEST = int(os.environ.get("SEND_TIMELINE_SLOWEST") or 0)
+
+    def _slowest(sends: list[list[tuple[str, float, float]]]) -> list[str]:
+        """The `_SLOWEST` sends whose first `turn_snapshot` frame went out last, every step."""
+
+        def first_snapshot(events: list[tuple[str, float, float]]) -> float:
+            return next((at for name, at, _cpu in events if name == "socket: turn_snapshot>"), 0.0)
+
+        lines = []
+        for events in sorted(sends, key=first_snapshot, reverse=True)[:_SLOWEST]:
+            lines += ["", f"a slow send: first snapshot at {first_snapshot(events):.2f} ms"]
+            lines += [f"{name:<46} {at:8.2f}" for name, at, _cpu in events]
+        return lines
+
     def _write(*_args: Any) -> None:
         turns: list[list[tuple[str, float, float]]] = []
         start = 0.0
@@ -228,6 +244,7 @@ if os.environ.get("SEND_TIMELINE"):
             lines.append(f"{name:<46} {statistics.median(values):8.2f}")
         if _LOOP_BETWEEN:
             lines += _loop_report(len(sends))
+        lines += _slowest(sends)
         with open(os.environ["SEND_TIMELINE"], "w") as out:
             out.write("\n".join(lines) + "\n")
 

@@ -134,5 +134,14 @@ def reset_broken_connection() -> None:
         close_old_connections()
 
 
+async def areset_broken_connection() -> None:
+    """`reset_broken_connection` from the event loop, on a database thread. An error of its
+    own is logged: the caller goes on (G5)."""
+    try:
+        await on_db(reset_broken_connection)()
+    except Exception:
+        logger.exception("could not reset the database connection")
+
+
 def _sid(session: Session | None) -> str | None:
     return session.session_id if session is not None else None

@@ -235,7 +235,7 @@ async def test_answers_that_end_together_commit_together_and_every_client_sees_i
     # its history_delta and its turn_updated, in order)
     settings.CHAT = {**settings.CHAT, "AUTO_TITLE_AFTER": 1000}
     engine = await make_engine(name="ends-together")
-    endings = engine.workers.endings
+    endings = engine.workers.ends.endings
     assert endings is not None
     endings.alone_limit = 1
     dialogs = [await make_dialog(await sync_to_async(make_user)()) for _ in range(6)]

@@ -14,10 +14,9 @@ from django.conf import settings
 
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
-from sessions_app import services
+from sessions_app import services, storage
 
 from . import queue
-from .worker import reset_db
 
 logger = logging.getLogger(__name__)
 
@@ -93,5 +92,5 @@ async def sweep_loop(engine: ControlHandler) -> None:
             raise
         except Exception:
             logger.exception("sweep failed")
-            await reset_db()
+            await storage.areset_broken_connection()
         await asyncio.sleep(interval)

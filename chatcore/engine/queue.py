@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from chatcore.common import events, publish
+from chatcore.common import publish
 from chatcore.common.errors import (
     NotFound,
     NothingToContinue,
@@ -406,17 +406,7 @@ def recover_interrupted(
         )
         if result.appended is not None:
             services.announce_appended(result.appended, turn)
-        publish.publish_to_chat(
-            session,
-            events.turn_updated_frame(
-                session_id=session.session_id,
-                turn_id=str(turn.pk),
-                status=result.status,
-                reason=result.reason,
-                error=result.error,
-                client_msg_id=turn.client_msg_id,
-            ),
-        )
+        publish.publish_to_chat(session, result.updated_frame(session, turn))
         results.append((turn, result))
     return results
 

@@ -1,5 +1,6 @@
 """The per-dialog workers of one process (C1, C3, C11): take the dialog's lease, claim its
-queued turns one at a time, run each (builder -> runner -> committer) and finish it.
+queued turns one at a time, run each (builder -> runner) and end it (`turn_end`: its commit
+and what goes out then), then read what is left and claim the next or linger.
 
 Turns of one dialog never overlap, across processes too: a worker runs only while it holds
 the dialog's lease (`lease.Lease`), renewed every third of its period (one statement for all
@@ -17,16 +18,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from django.db import DatabaseError
-
-from chatcore.common import dbthreads, events, publish
+from chatcore.common import dbthreads, publish
 from chatcore.common.dbthreads import Lane, on_db
-from chatcore.common.errors import ShuttingDown, StorageError
+from chatcore.common.errors import ShuttingDown
 from sessions_app import services, storage
-from sessions_app.models import Role, Session, Turn, TurnMode, TurnStatus
+from sessions_app.models import Session, Turn, TurnMode
 
-from . import jobs, lease, queue, snapshots
-from .delivery import DeliveryCoordinator, Terminal, sink_for_channel
+from . import lease, queue, snapshots
+from .delivery import DeliveryCoordinator, sink_for_channel
 from .gather import Gathered
 from .lease import Lease, LeaseLost
 from .provider_types import ChatProvider
@@ -35,36 +34,16 @@ from .sessions import SessionStates
 from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
 from .tools import ToolContext, ToolRegistry
+from .turn_end import TurnEnds
 from .turns.builder import RuntimeInfo, TurnInputBuilder
-from .turns.committer import (
-    CommitResult,
-    Ending,
-    commit_outcome,
-    commit_outcomes,
-    commit_persistence_failure,
-    take_staged,
-)
-from .turns.outcome import (
-    Cancelled,
-    Completed,
-    Failed,
-    FailureKind,
-    TurnOutcome,
-    present_failure,
-)
+from .turns.committer import take_staged
+from .turns.outcome import Cancelled, Failed, FailureKind, TurnOutcome
 from .turns.runner import FirstRequest, OpenedRequest, TurnRunner, TurnSnapshot
 
 logger = logging.getLogger(__name__)
 
 # How long a worker whose dialog's queue emptied keeps the lease for a follow-up send.
 LINGER_SECONDS = 0.1
-
-
-async def reset_db() -> None:
-    try:
-        await on_db(storage.reset_broken_connection)()
-    except Exception:
-        logger.exception("could not reset the database connection")
 
 
 class Workers:
@@ -124,20 +103,13 @@ class Workers:
             spawn=supervisor.spawn,
             alone_limit=alone_limit,
         )
-        self.endings: Gathered[Ending, CommitResult] | None = (
-            Gathered(
-                "turn commits",
-                functools.partial(
-                    commit_outcomes,
-                    states=states,
-                    after=lambda e: queue.after_turn_statement(e.turn, e.fence),
-                    read_after=lambda e, row: queue.after_turn_of(row, e.fence),
-                ),
-                spawn=supervisor.spawn,
-                alone_limit=alone_limit,
-            )
-            if writes is None
-            else None
+        self.ends = TurnEnds(
+            states=states,
+            supervisor=supervisor,
+            delivery=delivery,
+            schedule_beside=self._schedule_beside,
+            alone_limit=alone_limit,
+            writes=writes,
         )
 
     @property
@@ -151,7 +123,9 @@ class Workers:
         self.supervisor.spawn(
             "checkpoints",
             snapshots.checkpoint_loop(
-                self.local, interval=self.cfg["CHECKPOINT_SECONDS"], reset_db=reset_db
+                self.local,
+                interval=self.cfg["CHECKPOINT_SECONDS"],
+                reset_db=storage.areset_broken_connection,
             ),
             daemon=True,
         )
@@ -433,7 +407,7 @@ class Workers:
                 lost = await on_db(queue.renew_leases)(held)
             except Exception:
                 logger.exception("lease renewal failed", extra={"leases": len(held)})
-                await reset_db()
+                await storage.areset_broken_connection()
                 continue
             for gone in lost:
                 logger.error("lost the lease of a dialog", extra={"session_id": gone.session_pk})
@@ -689,7 +663,7 @@ class Workers:
                 if task is not publisher or not local.publishing:
                     task.cancel()
             # The publish under way lands and the last tail goes out while the outcome is
-            # committed; the terminal waits for both (`_finish`).
+            # committed; the terminal waits for both (`TurnEnds.announce`).
             try:
                 local.drained = self.supervisor.spawn(
                     f"drain:{local.turn_id}", _drain_snapshots(local, helpers)
@@ -707,6 +681,8 @@ class Workers:
         *,
         local: LocalTurn,
     ) -> None:
+        """The turn's end (`turn_end.TurnEnds`: its commit, then what goes out), and what this
+        worker does next: what is left after the turn, read in the commit's transaction."""
         fence = local.lease
         assert fence is not None
         # What is left after the turn (staged inputs, queued turns, the party's waiting
@@ -718,53 +694,9 @@ class Workers:
         wake = self._wakeups.get(session.pk)
         if wake is not None:
             wake.clear()
-        try:
-            # A4, G6: the backoff between attempts waits on the loop, not on a database thread.
-            alone = functools.partial(
-                storage.astorage_retry,
-                functools.partial(
-                    commit_outcome,
-                    turn=turn,
-                    outcome=outcome,
-                    base_generation=generation,
-                    states=self.states,
-                    fence=fence,
-                    after=lambda: queue.after_turn_read(turn, fence),
-                ),
-                what="turn_commit",
-                session=session,
-                lane=self.writes,
-            )
-            # With other turns' ends, in a burst (PostgreSQL).
-            result = await (
-                alone()
-                if self.endings is None
-                else self.endings(Ending(turn, outcome, generation, fence), alone)
-            )
-        except StorageError:
-            # C9/C10: not saved after every retry: the turn ends failed, not completed.
-            try:
-                result = await on_db(commit_persistence_failure)(turn_pk=turn.pk, fence=fence)
-            except LeaseLost:
-                logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
-                return
-        except LeaseLost:
-            # G2: the dialog's new holder ends this turn; a stale holder commits, publishes
-            # and delivers nothing.
-            logger.error(
-                "lost the lease; the turn's outcome was dropped",
-                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
-            )
-            return
-        except Exception:
-            logger.exception("commit failed", extra={"turn_id": str(turn.pk)})
-            result = CommitResult(
-                TurnStatus.FAILED,
-                error={
-                    "kind": str(FailureKind.TURN_PERSISTENCE),
-                    "message": present_failure(FailureKind.TURN_PERSISTENCE),
-                },
-            )
+        result = await self.ends.commit(turn, session, outcome, generation, fence)
+        if result is None:
+            return  # G2: the lease was lost; the dialog's new holder ends the turn
         # The turn has ended in the database: from here a send to the dialog starts its turn
         # under this worker's lease in its admitting transaction and is handed to this worker
         # (`lingering_lease`), which runs it when this one's after-turn steps are done; a
@@ -783,56 +715,7 @@ class Workers:
                 )
             )
         )
-        if local.drained is not None:
-            # D1: the turn's last snapshot reaches its clients before its terminal.
-            await local.drained
-        if isinstance(outcome, Failed):
-            logger.warning(
-                "turn failed: %s (%s)",
-                outcome.kind,
-                outcome.provider_kind or outcome.detail,
-                extra={"turn_id": str(turn.pk), "session_id": session.session_id},
-            )
-        # D2: the answer's delta, then the terminal, as one publish from the loop (the commit
-        # publishes nothing: no database thread waits on the channel layer).
-        end = [] if result.appended is None else [services.appended_frame(result.appended, turn)]
-        end.append(
-            events.turn_updated_frame(
-                session_id=session.session_id,
-                turn_id=str(turn.pk),
-                status=result.status,
-                reason=result.reason,
-                error=result.error,
-                client_msg_id=turn.client_msg_id,
-                notice=result.notice,
-            )
-        )
-        await publish.apublish_all(publish.chat_group(session.channel, session.chat_id), end)
-        if local.delivery is not None:
-            # D4: the sink's terminal goes out under the engine's supervisor, off the turn's
-            # path: the next turn of the dialog does not wait for a slow or broken sink.
-            terminal = terminal_for_sink(outcome, result)
-            if not self.delivery.finish_later(
-                local.delivery, terminal, spawn=self.supervisor.spawn
-            ):
-                # Shutdown began: the terminal still goes out, once, before the worker ends.
-                await local.delivery.finish(terminal)
-        if result.status == TurnStatus.COMPLETED:
-            try:
-                # B4: on the row the commit locked when it appended messages, else a read.
-                due = (
-                    jobs.title_due_of(result.appended.session)
-                    if result.appended is not None
-                    else await on_db(jobs.title_due)(session_pk=session.pk)
-                )
-                if due:
-                    self._schedule_beside("generate_title", session_pk=session.pk)
-            except DatabaseError:
-                # A title is scheduled again after the next turn; the queue must go on.
-                logger.warning(
-                    "could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)}
-                )
-                await reset_db()
+        await self.ends.announce(turn, session, outcome, result, local)
         try:
             found = await left if left is not None else found_in_commit
             assert isinstance(found, queue.AfterTurn)
@@ -874,24 +757,3 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
     except asyncio.CancelledError:
         pass
-
-
-def terminal_for_sink(outcome: TurnOutcome, result: CommitResult) -> Terminal:
-    """What a sink shows at the end (D4). The answer body goes out only for a committed,
-    completed turn; a persistence failure never passes on the text from before it."""
-    if result.status == TurnStatus.COMPLETED and isinstance(outcome, Completed):
-        answers = [
-            m.content for m in outcome.messages if m.role == Role.ASSISTANT and not m.tool_calls
-        ]
-        text = "\n\n".join(a for a in answers if a)
-        if result.notice:
-            # E5: a cut or withheld answer says so where it is shown.
-            text = f"{text}\n\n[{result.notice['message']}]" if text else result.notice["message"]
-        return Terminal(status="completed", text=text)
-    error = (result.error or {}).get("message", "")
-    persisted = result.error is None or result.error.get("kind") != str(
-        FailureKind.TURN_PERSISTENCE
-    )
-    partial = getattr(outcome, "partial", "") if persisted else ""
-    status = "cancelled" if result.status == TurnStatus.CANCELLED else "failed"
-    return Terminal(status=status, text=partial, error_message=error)

@@ -16,6 +16,7 @@ from typing import Any
 
 from django.db import DatabaseError, transaction
 
+from chatcore.common import events
 from chatcore.common.errors import StorageError
 from sessions_app import rows, services, storage, turn_services
 from sessions_app.models import (
@@ -57,6 +58,18 @@ class CommitResult:
     # What `commit_outcome`'s `after` returned, read in the commit's transaction; None when
     # it did not run there (the caller reads it on its own).
     after: object = None
+
+    def updated_frame(self, session: Session, turn: Turn) -> dict[str, Any]:
+        """The `turn_updated` frame of this end of `turn` (D2)."""
+        return events.turn_updated_frame(
+            session_id=session.session_id,
+            turn_id=str(turn.pk),
+            status=self.status,
+            reason=self.reason,
+            error=self.error,
+            client_msg_id=turn.client_msg_id,
+            notice=self.notice,
+        )
 
 
 def _new(p: PendingMessage) -> services.NewMessage:

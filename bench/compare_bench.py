@@ -12,8 +12,9 @@ on the given server and dropped afterwards.
 
 The model is `tests.fakemodel.FakeModelServer` in its own process. Figures per target:
 - added TTFT p50/p99, one turn at a time (`--turns` sends, one client, after three sends on
-  the same connection left out): send to first `turn_snapshot`, minus the model's own time
-  to first delta (asked directly, right before and right after those turns);
+  the same connection left out; each as soon as the last ended, or `--turn-pause` seconds
+  later): send to first `turn_snapshot`, minus the model's own time to first delta (asked
+  directly, right before and right after those turns);
 - server CPU per turn in that phase (user + system time of the server processes / turns);
 - `--streams` streams at once (one client and one user each, all sending together) from a
   model that paces its deltas like a real one (`--pace` seconds per delta): delivered/offered
@@ -477,6 +478,7 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
             args.turns,
             "fast",
             model.text,
+            pause=args.turn_pause,
             warmup=WARMUP_SENDS,
             warmed=lambda: cpu0.__setitem__(0, target.cpu_seconds()),
         )
@@ -679,6 +681,12 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--turns", type=int, default=40, help="serial turns for TTFT and CPU")
+    parser.add_argument(
+        "--turn-pause",
+        type=float,
+        default=0.0,
+        help="seconds between the serial turns (0: each as soon as the last ended)",
+    )
     parser.add_argument("--streams", type=int, default=100, help="concurrent streams")
     parser.add_argument(
         "--repeat",

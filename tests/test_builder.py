@@ -243,3 +243,97 @@ async def test_the_request_body_is_the_windows_join_plus_what_a_step_appends(use
     assert json.loads(encode_body({"messages": messages}))["messages"] == expected
     del messages[0]
     assert json.loads(encode_body({"messages": messages}))["messages"] == expected[1:]
+
+
+async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_sends(
+    user, monkeypatch
+):
+    # covers: C7, C8, E5, F7 (STYLE 18: a turn's first build walks, counts and joins only
+    # what was appended since the dialog's last one; past the budget the window moves on; a
+    # continuation, a tool's messages, a note and a compaction each make it walk again; and
+    # whatever path it took, the request body is byte for byte a fresh build's)
+    from chatcore.engine.provider_types import encode_body
+    from chatcore.engine.turns import builder as builder_module
+
+    walks: list[int] = []
+    walk = builder_module.TurnInputBuilder._walk
+
+    def counted(self: Any, history: Any, *args: Any) -> Any:
+        walks.append(len(history))
+        return walk(self, history, *args)
+
+    monkeypatch.setattr(builder_module.TurnInputBuilder, "_walk", counted)
+    session = await sync_to_async(_dialog)(user)
+    # A window small enough for the dialog to outgrow it: the oldest messages drop out.
+    kept = _builder(context_window=600)
+    call = {"id": "c9", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+
+    def tool_round() -> list[services.NewMessage]:
+        return [
+            _assistant("", tool_calls=[call]),
+            services.NewMessage(
+                role=Role.TOOL, content="ok", kind=MessageKind.TOOL_RESULT, tool_call_id="c9"
+            ),
+        ]
+
+    async def same_as_fresh() -> Any:
+        sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
+        fresh = await _builder(context_window=600).prepare(
+            session_pk=session.pk, runtime=_runtime(session)
+        )
+        assert sent.messages == fresh.messages
+        assert (sent.estimated_tokens, sent.dropped_for_budget) == (
+            fresh.estimated_tokens,
+            fresh.dropped_for_budget,
+        )
+        payload = {"model": "m", "stream": True}
+        assert encode_body({**payload, "messages": sent.messages}) == encode_body(
+            {**payload, "messages": list(fresh.messages)}
+        )
+        assert sent.messages[-1]["content"].count(RUNTIME_MARKER) == 1
+        return sent
+
+    went_on = 0
+    for turn in range(40):
+        await sync_to_async(_add)(session, _user(f"question {turn} " + "q" * (turn % 7) * 20))
+        walks.clear()
+        sent = await same_as_fresh()
+        # The kept builder's own walk is the first one counted; a fresh one always walks.
+        went_on += len(walks) == 1
+        answer = _assistant(f"answer {turn} " + "a" * 90)
+        if turn == 12:
+            cut = await sync_to_async(services.messages_append)(
+                session_pk=session.pk, messages=[_assistant("cut sh", status="interrupted")]
+            )
+            answer = _assistant("ort", source={"continues": str(cut.messages[-1].pk)})
+        elif turn == 20:
+            await sync_to_async(_add)(session, *tool_round())
+        elif turn == 25:
+            answer = _assistant("")  # E5: an empty answer is never replayed
+        elif turn == 30:
+            await sync_to_async(turn_services.memory_note_add)(owner_id=user.pk, content="tea")
+        await sync_to_async(_add)(session, answer)
+    assert sent.dropped_for_budget > 0  # the window did move on
+    # Every turn but the first, the continuation's, the tool's, the note's and the turns
+    # right after them went on from the last build.
+    assert went_on >= 34, went_on
+
+
+async def test_what_builds_carry_for_the_next_stays_within_its_bytes(user):
+    # covers: A6, F7 (the carried builds hold the messages' JSON the history cache may have
+    # let go: the least recently built dialog goes first once they pass their bound)
+    first, second = await sync_to_async(_dialog)(user), await sync_to_async(_dialog)(user)
+    kept = _builder()
+    for session in (first, second):
+        await sync_to_async(_add)(session, _user("x" * 3000), _assistant("y" * 3000))
+    await kept.prepare(session_pk=first.pk, runtime=_runtime(first))
+    held = kept.carried.get(first.pk)
+    assert held is not None and held.window.size > 6000
+    kept.carried.max_bytes = held.window.size + 100
+    await kept.prepare(session_pk=second.pk, runtime=_runtime(second))
+    assert kept.carried.get(first.pk) is None
+    assert kept.carried.get(second.pk) is not None
+    # A dialog whose carried build is gone is built from its messages, as before.
+    again = await kept.prepare(session_pk=first.pk, runtime=_runtime(first))
+    fresh = await _builder().prepare(session_pk=first.pk, runtime=_runtime(first))
+    assert again.messages == fresh.messages

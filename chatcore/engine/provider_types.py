@@ -46,6 +46,17 @@ class EncodedMessages(list[dict[str, Any]]):
         self._joined = b",".join(m.encoded() for m in self)  # type: ignore[attr-defined]
         self._count = len(self)
 
+    @classmethod
+    def joined_from(
+        cls, messages: Iterable[dict[str, Any]], count: int, joined: bytes
+    ) -> EncodedMessages:
+        """`messages` whose first `count` have `joined` as their JSON joined with commas,
+        worked out by the caller (the build, from its last one's join)."""
+        out = cls.__new__(cls)
+        list.extend(out, messages)
+        out._count, out._joined = count, joined
+        return out
+
     def joined(self) -> tuple[int, bytes]:
         """How many of the first messages `encode_body` may take from the join, and it."""
         return self._count, self._joined

@@ -8,12 +8,18 @@ Everything here that grows with the dialog runs in a worker thread, never on the
 trimming. Each stored message is converted and counted once (`_Replayed`, kept on the message
 the history cache holds; `TokenCache`, by message id, for a dialog loaded again) and trimming
 walks back from the newest message until the budget is spent, so a build is linear in the
-dialog, and its cost per message already seen is a lookup.
+dialog, and its cost per message already seen is a lookup. A turn's first build goes on from
+the dialog's last one (`_Carried`, `CarriedBuilds`): it makes items for the messages stored
+since, moves the budget's start on and joins the request body's JSON in one go, so its cost
+follows what was added, not the dialog's length; anything else (a tool's call or result, a
+continuation, another compaction, head or budget) walks the window again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,7 +32,7 @@ from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, services
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
-from ..provider_types import EncodedMessage, EncodedMessages
+from ..provider_types import EncodedMessage, EncodedMessages, dumps
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from .outcome import PendingMessage
@@ -215,6 +221,148 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Carried:
+    """What a build of a dialog's stored history alone left for the dialog's next one
+    (`TurnInputBuilder.assemble`): the history it walked (its first and last message and
+    their count) and the window the budget kept of it: its items (tool pairs checked, old
+    results trimmed), their messages and each one's JSON, how many items the budget left
+    out before it, and its tokens. The next build makes items for the messages appended
+    since and moves the window's start on, instead of walking, counting and joining the
+    whole window again (STYLE 18: the cost of a turn's first build no longer grows with the
+    dialog). Never changed once made."""
+
+    # What the walk depends on besides the messages: the dialog's generation (C9: a history
+    # changed in place), the compaction's end, the budget, the head's tokens, the counter.
+    key: tuple[Any, ...]
+    first: Any
+    last: Any
+    walked: int
+    window: _Window
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The items of a model input the budget keeps, in order, with their messages and each
+    one's JSON (the body is those messages), how many items it left out before them, their
+    tokens, and the bytes of their JSON."""
+
+    items: list[_Item]
+    datas: list[dict[str, Any]]
+    jsons: list[bytes]
+    dropped: int
+    kept: int
+    size: int
+
+    @classmethod
+    def of(cls, items: list[_Item], start: int, kept: int) -> _Window:
+        jsons = [_json_of(it.data) for it in items[start:]]
+        datas = [it.data for it in items[start:]]
+        return cls(items[start:], datas, jsons, start, kept, sum(map(len, jsons)))
+
+
+class CarriedBuilds:
+    """The last `_Carried` of each dialog built here, least recently used first out once
+    their messages' JSON passes `max_bytes` (the history cache holds the same messages while
+    it holds the dialog; this bounds what outlives it). Safe to use from every database
+    thread."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._held: OrderedDict[str, _Carried] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, session_pk: str) -> _Carried | None:
+        with self._lock:
+            return self._held.get(session_pk)
+
+    def put(self, session_pk: str, carried: _Carried) -> None:
+        with self._lock:
+            old = self._held.pop(session_pk, None)
+            if old is not None:
+                self._bytes -= old.window.size
+            self._held[session_pk] = carried
+            self._bytes += carried.window.size
+            while self._bytes > self.max_bytes and self._held:
+                _pk, gone = self._held.popitem(last=False)
+                self._bytes -= gone.window.size
+
+
+def _go_on(
+    carried: _Carried,
+    key: tuple[Any, ...],
+    history: list[Message],
+    through: int,
+    budget: int,
+    count: Any,
+) -> _Window | None:
+    """The window `assemble`'s walk of `history` keeps, from the dialog's last build's. None
+    (walk it all) unless `history` is the one `carried` walked with only messages appended
+    since, none of them a tool's call or result or a continuation (whose items change an
+    earlier one), and the walk's inputs are the same (a message that is none of those
+    changes no tool pair and no earlier item). The window's start only moves on: the items
+    before it did not fit then, and fit less with more after them."""
+    walked = carried.walked
+    if (
+        carried.key != key
+        or len(history) < walked
+        or history[0].pk != carried.first
+        or history[walked - 1].pk != carried.last
+    ):
+        return None
+    added: list[_Item] = []
+    for m in history[walked:]:
+        r = m.__dict__.get(_REPLAYED) or _replayed(m)
+        if r.skipped or m.seq <= through or r.empty:
+            continue  # as `_walk` (an empty answer is never replayed, E5)
+        if not r.plain:
+            return None
+        added.append(r.item)
+    was = carried.window
+    items, kept, size = was.items, was.kept, was.size
+    datas, jsons = was.datas, was.jsons
+    if added:
+        more = [_json_of(it.data) for it in added]
+        items, datas, jsons = items + added, datas + [it.data for it in added], jsons + more
+        kept += sum(count(it) for it in added)
+        size += sum(map(len, more))
+    head_total = key[3]
+    start = 0
+    # As `_walk`'s walk back: the newest item is kept whatever it costs, and the window
+    # never starts with a tool's result.
+    while start < len(items) - 1 and head_total + kept > budget:
+        kept -= count(items[start])
+        start += 1
+    while start and start < len(items) and items[start].data["role"] == "tool":
+        kept -= count(items[start])
+        start += 1
+    if not start:
+        return _Window(items, datas, jsons, was.dropped, kept, size)
+    size -= sum(map(len, jsons[:start]))
+    return _Window(items[start:], datas[start:], jsons[start:], was.dropped + start, kept, size)
+
+
+def _joined_input(
+    head: list[dict[str, Any]], body: list[dict[str, Any]], at: int | None, jsons: list[bytes]
+) -> EncodedMessages:
+    """The model input `head + body` with all its messages' JSON joined as the request body
+    sends it (`EncodedMessages`), in one join: the body's from `jsons`, its items' own, but
+    the message `at`, which the runtime block was put on (a copy), encoded anew."""
+    parts = [dumps(h) for h in head] + jsons
+    if at is not None:
+        parts[len(head) + at] = dumps(body[at])
+    return EncodedMessages.joined_from(head + body, len(head) + len(body), b",".join(parts))
+
+
+def _json_of(message: dict[str, Any]) -> bytes:
+    """A model-input message's JSON as the request body carries it: kept on it where the
+    build worked it out once (`EncodedMessage`)."""
+    if message.__class__ is EncodedMessage:
+        return message.encoded()
+    return dumps(message)
+
+
 def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:
@@ -246,6 +394,9 @@ class TurnInputBuilder:
         self.system_prompt = system_prompt
         self._counter = counter
         self.token_cache = token_cache or TokenCache(settings.CHAT["TOKEN_CACHE_ENTRIES"])
+        # Each dialog's last build of its stored history, for its next one to go on from
+        # (`assemble`): their JSON within an eighth of the history cache's bytes.
+        self.carried = CarriedBuilds(max(1, states.max_bytes // 8))
 
     @property
     def counter(self) -> TokenCounter:
@@ -351,9 +502,10 @@ class TurnInputBuilder:
         # F7: the request body's JSON, here rather than on the event loop; a message seen
         # before keeps its own, so this encodes only what is new since, and the window's
         # messages are joined here once (`EncodedMessages`).
-        prepared.messages = EncodedMessages(
-            m if m.__class__ is EncodedMessage else _encoded(m) for m in prepared.messages
-        )
+        if not isinstance(prepared.messages, EncodedMessages):
+            prepared.messages = EncodedMessages(
+                m if m.__class__ is EncodedMessage else _encoded(m) for m in prepared.messages
+            )
         return prepared
 
     async def recover_after_overflow(
@@ -437,6 +589,87 @@ class TurnInputBuilder:
                 }
             )
 
+        counter, cache = self.counter, self.token_cache
+        name = counter.name
+
+        def count(it: _Item) -> int:
+            kept = it.tokens
+            if kept is None:
+                return cache.count(counter, it.key, it.data)
+            found = kept.get(name)
+            if found is None:
+                found = kept[name] = cache.count(counter, it.key, it.data)
+            return found
+
+        # The head (system prompt, skills, notes, plan, summary) is the same turn after turn:
+        # counted once per text, kept under the text itself.
+        head_total = sum(cache.count(counter, ("head", h["content"]), h) for h in head)
+        # A build of the stored history alone (a turn's first) may go on from the dialog's
+        # last one (`_Carried`): what it walked, counted and joined then is not done again.
+        key = (session.generation, through, budget, head_total, name)
+        carries = not pending and not exclude_turn_partials and bool(history)
+        carried = self.carried.get(session.pk) if carries else None
+        window = _go_on(carried, key, history, through, budget, count) if carried else None
+        if window is not None:
+            body = list(window.datas)
+            jsons: list[bytes] | None = window.jsons
+            start, total = window.dropped, head_total + window.kept
+        else:
+            items, start, total = self._walk(
+                history, pending, through, exclude_turn_partials, budget, head_total, count
+            )
+            body = [it.data for it in items[start:]]
+            jsons = None
+            if carries and items:
+                window = _Window.of(items, start, total - head_total)
+                jsons = window.jsons
+        if carries and window is not None:
+            self.carried.put(
+                session.pk,
+                _Carried(
+                    key=key,
+                    first=history[0].pk,
+                    last=history[-1].pk,
+                    walked=len(history),
+                    window=window,
+                ),
+            )
+
+        # C7: the runtime context block, exactly once, on the last user message.
+        block = runtime.render()
+        at = None
+        for i in range(len(body) - 1, -1, -1):
+            if body[i]["role"] == "user":
+                body[i] = {**body[i], "content": body[i]["content"] + block}
+                total += counter.count_text(block)
+                at = i
+                break
+        messages: list[dict[str, Any]] = head + body
+        if jsons is not None:
+            # F7: the request body's JSON, joined here in one go from the items' own
+            # (`EncodedMessages`), not message by message.
+            messages = _joined_input(head, body, at, jsons)
+        return PreparedInput(
+            messages=messages,
+            base_generation=session.generation,
+            estimated_tokens=total,
+            dropped_for_budget=start,
+            compacted_through=through,
+        )
+
+    def _walk(
+        self,
+        history: list[Message],
+        pending: list[PendingMessage],
+        through: int,
+        exclude_turn_partials: str | None,
+        budget: int,
+        head_total: int,
+        count: Any,
+    ) -> tuple[list[_Item], int, int]:
+        """The model input's items from the stored `history` and this turn's `pending`
+        messages, the first one the budget keeps, and the tokens of the head and of what it
+        keeps."""
         items: list[_Item] = []
         answers: dict[str, int] = {}
         # This walk runs for every message of the window before every first token: the
@@ -472,21 +705,7 @@ class TurnInputBuilder:
         # Keep within budget by leaving out the oldest messages, never this turn's nor the
         # last stored one (this turn's user message). Walking back from the newest message
         # counts each message at most once, and only those that can still fit (STYLE 18).
-        counter, cache = self.counter, self.token_cache
-        name = counter.name
-
-        def count(it: _Item) -> int:
-            kept = it.tokens
-            if kept is None:
-                return cache.count(counter, it.key, it.data)
-            found = kept.get(name)
-            if found is None:
-                found = kept[name] = cache.count(counter, it.key, it.data)
-            return found
-
-        # The head (system prompt, skills, notes, plan, summary) is the same turn after turn:
-        # counted once per text, kept under the text itself.
-        total = sum(cache.count(counter, ("head", h["content"]), h) for h in head)
+        total = head_total
         keep = next((i for i, it in enumerate(items) if it.in_turn), len(items))
         keep = max(0, keep - 1)
         counts = [0] * len(items)
@@ -494,6 +713,7 @@ class TurnInputBuilder:
             counts[i] = count(items[i])
             total += counts[i]
         start = keep
+        name = self.counter.name
         while start > 0:
             it = items[start - 1]
             # A message counted before (the usual case) at the cost of a lookup.
@@ -508,19 +728,4 @@ class TurnInputBuilder:
         while start < len(items) and items[start].data["role"] == "tool":
             total -= counts[start]
             start += 1
-        body = [it.data for it in items[start:]]
-
-        # C7: the runtime context block, exactly once, on the last user message.
-        block = runtime.render()
-        for i in range(len(body) - 1, -1, -1):
-            if body[i]["role"] == "user":
-                body[i] = {**body[i], "content": body[i]["content"] + block}
-                total += counter.count_text(block)
-                break
-        return PreparedInput(
-            messages=head + body,
-            base_generation=session.generation,
-            estimated_tokens=total,
-            dropped_for_budget=start,
-            compacted_through=through,
-        )
+        return items, start, total

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -233,6 +234,47 @@ def turn_context(
         return statement.result(cursor.fetchall())
 
 
+@functools.cache
+def _turn_context_sql(with_revision: bool) -> str:
+    """`TurnContextStatement`'s text, made once (it is the same for every dialog): with the
+    dialog's revision (`ahead`) or without."""
+    compactions, messages = Compaction._meta.db_table, Message._meta.db_table
+    notes = MemoryNote._meta.db_table
+    names = [str(f.column) for f in Compaction._meta.concrete_fields]
+
+    def filled(**values: str) -> str:
+        return ", ".join(values.get(name, "NULL") for name in names)
+
+    sql = (
+        f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
+        f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
+        ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
+        f" UNION ALL SELECT 1, {filled(through_seq='v.seq', id='v.past')} FROM"
+        ' (SELECT w."seq", COUNT(*) OVER () AS "past" FROM'
+        ' (SELECT m."seq" AS "seq", SUM(m."content_chars") OVER (ORDER BY m."seq" DESC)'
+        f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
+        f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
+        ' WHERE k."session_id" = %s), 0)) w'
+        ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1) v'
+        f" UNION ALL SELECT 2, {filled(summary='n.content', created_at='n.created_at')} FROM"
+        f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
+        ' ORDER BY n."created_at" DESC LIMIT %s) n'
+    )
+    if with_revision:
+        sql += (
+            f" UNION ALL SELECT 3, {filled(through_seq='r.last_seq', id='r.state_version')}"  # noqa: S608
+            f' FROM "{Session._meta.db_table}" r WHERE r."id" = %s'
+        )
+    return sql
+
+
+# Where `TurnContextStatement.result` finds a part's values (after the part's number).
+_TURN_CONTEXT_AT = tuple(
+    1 + [str(f.column) for f in Compaction._meta.concrete_fields].index(name)
+    for name in ("through_seq", "summary", "created_at", "id")
+)
+
+
 class TurnContextStatement:
     """`turn_context`'s statement, for a caller that sends it with others in one round trip
     (`admission.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
@@ -255,42 +297,14 @@ class TurnContextStatement:
         notes_limit: int = 20,
         ahead: int | None = None,
     ) -> None:
-        compactions, messages = Compaction._meta.db_table, Message._meta.db_table
-        notes = MemoryNote._meta.db_table
-        names = [str(f.column) for f in Compaction._meta.concrete_fields]
-
-        def filled(**values: str) -> str:
-            return ", ".join(values.get(name, "NULL") for name in names)
-
-        sql = (
-            f"SELECT 0, {row_columns(Compaction, 'x')} FROM"  # noqa: S608 (our own tables)
-            f' (SELECT {row_columns(Compaction, "c")} FROM "{compactions}" c'
-            ' WHERE c."session_id" = %s ORDER BY c."through_seq" DESC LIMIT 1) x'
-            f" UNION ALL SELECT 1, {filled(through_seq='v.seq', id='v.past')} FROM"
-            ' (SELECT w."seq", COUNT(*) OVER () AS "past" FROM'
-            ' (SELECT m."seq" AS "seq", SUM(m."content_chars") OVER (ORDER BY m."seq" DESC)'
-            f' AS "running" FROM "{messages}" m WHERE m."session_id" = %s AND m."seq" >'
-            f' COALESCE((SELECT MAX(k."through_seq") FROM "{compactions}" k'
-            ' WHERE k."session_id" = %s), 0)) w'
-            ' WHERE w."running" > %s ORDER BY w."seq" DESC LIMIT 1) v'
-            f" UNION ALL SELECT 2, {filled(summary='n.content', created_at='n.created_at')} FROM"
-            f' (SELECT n."content", n."created_at" FROM "{notes}" n WHERE n."owner_id" = %s'
-            ' ORDER BY n."created_at" DESC LIMIT %s) n'
-        )
         # The message to come counts first in the running sum (it is the newest).
         self.limit = max_chars if ahead is None else max_chars - ahead
         params: list[Any] = [session_pk, session_pk, session_pk, self.limit, owner_id]
         params.append(notes_limit)
         if ahead is not None:
-            sql += (
-                f" UNION ALL SELECT 3, {filled(through_seq='r.last_seq', id='r.state_version')}"  # noqa: S608
-                f' FROM "{Session._meta.db_table}" r WHERE r."id" = %s'
-            )
             params.append(session_pk)
-        self.sql, self.params = sql, params
-        self._at = tuple(
-            1 + names.index(name) for name in ("through_seq", "summary", "created_at", "id")
-        )
+        self.sql, self.params = _turn_context_sql(ahead is not None), params
+        self._at = _TURN_CONTEXT_AT
 
     def result(self, rows: Iterable[Sequence[Any]]) -> TurnContext:
         seq_at, summary_at, created_at, id_at = self._at

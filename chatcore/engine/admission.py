@@ -55,6 +55,16 @@ _USERS = User._meta.db_table
 _USER_PK = User._meta.pk.column
 # A live dialog's row by id, aliased `s`.
 _LIVE = f'"{_SESSIONS}" s WHERE s."id" = %s AND s."deleted_at" IS NULL'
+# A dialog's queue counts, on its row aliased `s` (`_count_columns`).
+_COUNTS = (
+    f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
+    ' AND t."status" = %s) AS "q_queued",'
+    f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'
+    ' AND t."status" = %s) AS "q_running",'
+    f' (SELECT COUNT(*) FROM "{_STAGED}" i WHERE i."session_id" = s."id"'
+    ' AND i."status" = %s) AS "q_staged",'
+    f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."status" = %s) AS "q_all"'
+)
 
 
 def lock_for_admission(
@@ -140,15 +150,7 @@ def _count_columns(
 ) -> tuple[str, list[Any]]:
     """The columns of a dialog's queue counts (and F7's, `slot`), on its row aliased `s`
     (`lock_for_admission`)."""
-    counts = (
-        f'(SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'  # noqa: S608
-        ' AND t."status" = %s) AS "q_queued",'
-        f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."session_id" = s."id"'
-        ' AND t."status" = %s) AS "q_running",'
-        f' (SELECT COUNT(*) FROM "{_STAGED}" i WHERE i."session_id" = s."id"'
-        ' AND i."status" = %s) AS "q_staged",'
-        f' (SELECT COUNT(*) FROM "{_TURNS}" t WHERE t."status" = %s) AS "q_all"'
-    )
+    counts = _COUNTS
     params: list[Any] = [
         TurnStatus.QUEUED,
         TurnStatus.RUNNING,

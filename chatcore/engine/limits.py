@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -325,11 +326,29 @@ def slot_columns(
     of a SELECT (so the admission reads them in the statement of its queue counts): the
     party's running turns, and its other dialogs that wait for a slot (queued, nothing
     running) with an older turn. Our own tables; values are parameters."""
-    running_party, running_params = _party_sql("t", "s", owner_id, channel, chat_id)
-    waiting_party, waiting_params = _party_sql("w", "ws", owner_id, channel, chat_id)
-    busy_party, busy_params = _party_sql("r", "rs", owner_id, channel, chat_id)
+    party = _party_sql("", "", owner_id, channel, chat_id)[1]
     received = connection.ops.adapt_datetimefield_value(received_at)
-    sql = (
+    params = [
+        *party,
+        TurnStatus.RUNNING,
+        *party,
+        TurnStatus.QUEUED,
+        received,
+        str(session_id),
+        TurnStatus.RUNNING,
+        *party,
+    ]
+    return _slot_sql(channel in FIRST_PARTY_CHANNELS), params
+
+
+@functools.cache
+def _slot_sql(first_party: bool) -> str:
+    """`slot_columns`' text, made once per kind of party (it runs for every send)."""
+    channel = next(iter(FIRST_PARTY_CHANNELS)) if first_party else ""
+    running_party = _party_sql("t", "s", 0, channel, "")[0]
+    waiting_party = _party_sql("w", "ws", 0, channel, "")[0]
+    busy_party = _party_sql("r", "rs", 0, channel, "")[0]
+    return (
         f'(SELECT COUNT(*) FROM "{_TURNS}" t INNER JOIN "{_SESSIONS}" s'  # noqa: S608
         f' ON s."id" = t."session_id" WHERE {running_party} AND t."status" = %s) AS "f_running",'
         f' (SELECT COUNT(DISTINCT w."session_id") FROM "{_TURNS}" w INNER JOIN "{_SESSIONS}" ws'
@@ -338,17 +357,6 @@ def slot_columns(
         f'SELECT r."session_id" FROM "{_TURNS}" r INNER JOIN "{_SESSIONS}" rs'
         f' ON rs."id" = r."session_id" WHERE r."status" = %s AND {busy_party})) AS "f_older"'
     )
-    params = [
-        *running_params,
-        TurnStatus.RUNNING,
-        *waiting_params,
-        TurnStatus.QUEUED,
-        received,
-        str(session_id),
-        TurnStatus.RUNNING,
-        *busy_params,
-    ]
-    return sql, params
 
 
 def slot_free(running: int, older: int, cfg: Mapping[str, Any] | None = None) -> bool:

@@ -322,3 +322,42 @@ def test_an_idle_dialog_gives_its_lease_up_in_one_statement_unless_a_turn_is_que
         "other-process",
         held[taken.pk].epoch + 1,
     )
+
+
+def test_the_sweep_finds_dialogs_with_work_and_no_live_lease_in_one_statement_when_none(user):
+    # covers: C11, F7, G2 (every process's sweep, every few seconds: with nothing to pick up
+    # it costs one statement; a queued turn under no lease or an expired one is found, a
+    # live lease's is not)
+    from django.conf import settings as django_settings
+
+    from sessions_app import services
+
+    def dialog(name: str) -> Any:
+        return services.session_create(
+            owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id=name
+        )
+
+    cfg = django_settings.CHAT
+    running, idle = dialog("running"), dialog("idle")
+    assert lease.acquire(running.pk, owner="this-process", seconds=30) is not None
+    Turn.objects.create(
+        session=running, owner=user, number=1, content="under way", status=TurnStatus.RUNNING
+    )
+    with CaptureQueriesContext(connection) as ctx:
+        assert queue.orphaned_sessions(scope=None, cfg=cfg) == []
+    assert len(ctx.captured_queries) == 1, [q["sql"] for q in ctx.captured_queries]
+
+    # A queued turn whose dialog has no lease, and one whose lease ran out.
+    leaseless, expired = dialog("leaseless"), dialog("expired")
+    Turn.objects.create(session=leaseless, owner=user, number=1, content="waits")
+    assert lease.acquire(expired.pk, owner="gone-process", seconds=30) is not None
+    Turn.objects.create(session=expired, owner=user, number=1, content="waits too")
+    Session.objects.filter(pk=expired.pk).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    found = queue.orphaned_sessions(scope=None, cfg=cfg)
+    assert sorted(found) == sorted([leaseless.pk, expired.pk])
+    assert idle.pk not in found and running.pk not in found
+    # A scope leaves out what is not this engine's to run.
+    scoped = queue.orphaned_sessions(scope=lambda qs: qs.filter(pk=expired.pk), cfg=cfg)
+    assert scoped == [expired.pk]

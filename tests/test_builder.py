@@ -250,8 +250,8 @@ async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_
 ):
     # covers: C7, C8, E5, F7 (STYLE 18: a turn's first build walks, counts and joins only
     # what was appended since the dialog's last one; past the budget the window moves on; a
-    # continuation, a tool's messages, a note and a compaction each make it walk again; and
-    # whatever path it took, the request body is byte for byte a fresh build's)
+    # continuation, a tool's messages and a new note each make it walk again; and whatever
+    # path it took, the request body is byte for byte a fresh build's)
     from chatcore.engine.provider_types import encode_body
     from chatcore.engine.turns import builder as builder_module
 
@@ -314,8 +314,8 @@ async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_
             await sync_to_async(turn_services.memory_note_add)(owner_id=user.pk, content="tea")
         await sync_to_async(_add)(session, answer)
     assert sent.dropped_for_budget > 0  # the window did move on
-    # Every turn but the first, the continuation's, the tool's, the note's and the turns
-    # right after them went on from the last build.
+    # Every turn went on from the last build but the first and those right after the
+    # continuation, the tool's messages and the note.
     assert went_on >= 34, went_on
 
 

@@ -256,9 +256,10 @@ class _Window:
 
     @classmethod
     def of(cls, items: list[_Item], start: int, kept: int) -> _Window:
-        jsons = [_json_of(it.data) for it in items[start:]]
-        datas = [it.data for it in items[start:]]
-        return cls(items[start:], datas, jsons, start, kept, sum(map(len, jsons)))
+        window = items[start:]
+        datas = [it.data for it in window]
+        jsons = [_json_of(data) for data in datas]
+        return cls(window, datas, jsons, start, kept, sum(map(len, jsons)))
 
 
 class CarriedBuilds:
@@ -644,11 +645,13 @@ class TurnInputBuilder:
                 total += counter.count_text(block)
                 at = i
                 break
-        messages: list[dict[str, Any]] = head + body
+        messages: list[dict[str, Any]]
         if jsons is not None:
             # F7: the request body's JSON, joined here in one go from the items' own
             # (`EncodedMessages`), not message by message.
             messages = _joined_input(head, body, at, jsons)
+        else:
+            messages = head + body
         return PreparedInput(
             messages=messages,
             base_generation=session.generation,

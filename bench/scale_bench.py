@@ -46,7 +46,7 @@ ANSWER = "A short streamed answer from the benchmark model, a few words at a tim
 def serve_model() -> None:
     from tests.fakemodel import FakeModelServer, Reply
 
-    server = FakeModelServer()
+    server = FakeModelServer(record=False)
     server.default = lambda _request: Reply(text=ANSWER, chunk=8)
     server.start()
     print(server.port, flush=True)

@@ -72,7 +72,7 @@ def serve_model(chars: int, chunk: int) -> None:
     from tests.fakemodel import FakeModelServer, Reply
 
     text = answer_text(chars)
-    server = FakeModelServer()
+    server = FakeModelServer(record=False)
     server.default = lambda _request: Reply(text=text, chunk=chunk)
     server.start()
     print(server.port, flush=True)

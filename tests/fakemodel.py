@@ -66,7 +66,11 @@ class RecordedRequest:
 
 
 class FakeModelServer:
-    def __init__(self) -> None:
+    def __init__(self, *, record: bool = True) -> None:
+        """`record`: keep every request in `requests` (tests read them). A long-running
+        benchmark's model does not: thousands of parsed bodies kept alive made its collector's
+        full passes take tens of milliseconds, inside whichever turn was being served."""
+        self.record = record
         self.replies: list[Reply | Callable[[dict[str, Any]], Reply]] = []
         self.default: Callable[[dict[str, Any]], Reply] = echo_reply
         self.requests: list[RecordedRequest] = []
@@ -153,7 +157,8 @@ class FakeModelServer:
                 target = lines[0].split(" ")[1] if " " in lines[0] else ""
                 record = RecordedRequest(body=body, headers=headers, target=target)
                 with self._lock:
-                    self.requests.append(record)
+                    if self.record:
+                        self.requests.append(record)
                     reply_src = self.replies.pop(0) if self.replies else self.default
                 reply = reply_src(body) if callable(reply_src) else reply_src
                 key = self.key_of(body) if self.key_of is not None else ""

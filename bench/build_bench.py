@@ -10,7 +10,11 @@ an answer and the next question and building the next turn's input
 going on from the last and once walking the window every time (the builder's carried builds
 turned off). CPU is the thread's (`time.thread_time`), so the figures hold up on a busy
 machine. The budget is the default model window's, so a long dialog's window moves on as it
-grows. No database: the messages are built in memory, as the history cache holds them.
+grows. Each build is given what the turn's context read gives it (`selectors.turn_context`):
+the newest messages whose characters fit the read window (16 per token of the model's
+window), so past about a thousand of these messages that history's start moves on with
+every turn too. No database: the messages are built in memory, as the history cache holds
+them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,11 @@ from django.utils import timezone  # noqa: E402
 
 from chatcore.engine.provider_types import EncodedMessages, encode_body  # noqa: E402
 from chatcore.engine.sessions import SessionStates  # noqa: E402
-from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder  # noqa: E402
+from chatcore.engine.turns.builder import (  # noqa: E402
+    WINDOW_CHARS_PER_TOKEN,
+    RuntimeInfo,
+    TurnInputBuilder,
+)
 from sessions_app.models import Message, MessageKind, Session  # noqa: E402
 
 
@@ -63,15 +71,22 @@ def run(length: int, turns: int, carry: bool) -> list[float]:
     history = [message(session, seq) for seq in range(1, length + 1)]
     runtime = RuntimeInfo(channel="web", dialog_id="d", title="t")
     budget = int(settings.LLM["CONTEXT_WINDOW"] * settings.CHAT["COMPACTION_BUDGET_RATIO"])
+    reads = settings.LLM["CONTEXT_WINDOW"] * WINDOW_CHARS_PER_TOKEN
+    start, chars = 0, sum(len(m.content) for m in history)
     spent = []
     for _turn in range(turns):
-        history = history + [message(session, len(history) + 1)]
-        history = history + [message(session, len(history) + 1)]
+        for _new in range(2):
+            history = history + [message(session, len(history) + 1)]
+            chars += len(history[-1].content)
+        while chars > reads:
+            chars -= len(history[start].content)
+            start += 1
         session.last_seq = len(history)
+        read = history[start:]  # as the history cache gives it after the read window's start
         started = time.thread_time()
         prepared = builder.assemble(
             session=session,
-            history=history,
+            history=read,
             compaction=None,
             notes=[],
             plan="",

@@ -319,6 +319,72 @@ async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_
     assert went_on >= 34, went_on
 
 
+async def test_a_dialog_longer_than_its_read_window_still_goes_on_from_the_last_build(
+    user, monkeypatch
+):
+    # covers: C7, E5, F7 (STYLE 18: once a dialog is longer than the read window, that
+    # window's start moves on with every turn; the build still goes on from the last one, a
+    # continuation or a tool's call left behind by that start makes it walk once, and the
+    # request body and what it says was left out are a fresh build's)
+    from chatcore.engine.provider_types import encode_body
+    from chatcore.engine.turns import builder as builder_module
+
+    walks: list[int] = []
+    walk = builder_module.TurnInputBuilder._walk
+
+    def counted(self: Any, history: Any, *args: Any) -> Any:
+        walks.append(len(history))
+        return walk(self, history, *args)
+
+    monkeypatch.setattr(builder_module.TurnInputBuilder, "_walk", counted)
+    session = await sync_to_async(_dialog)(user)
+    # 600 tokens: a read window of 9,600 characters, about fifteen of these turns.
+    kept = _builder(context_window=600)
+    call = {"id": "c7", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    went_on, read = 0, []
+    for turn in range(48):
+        await sync_to_async(_add)(session, _user(f"question {turn} " + "q" * (turn % 5) * 30))
+        walks.clear()
+        sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
+        fresh = await _builder(context_window=600).prepare(
+            session_pk=session.pk, runtime=_runtime(session)
+        )
+        assert sent.messages == fresh.messages, turn
+        assert (sent.estimated_tokens, sent.dropped_for_budget) == (
+            fresh.estimated_tokens,
+            fresh.dropped_for_budget,
+        ), turn
+        payload = {"model": "m", "stream": True}
+        assert encode_body({**payload, "messages": sent.messages}) == encode_body(
+            {**payload, "messages": list(fresh.messages)}
+        )
+        # The kept builder's own walk is the first one counted; a fresh one always walks.
+        went_on += len(walks) == 1
+        read.append(walks[-1])
+        answer = _assistant(f"answer {turn} " + "a" * 560)
+        if turn == 4:
+            cut = await sync_to_async(services.messages_append)(
+                session_pk=session.pk, messages=[_assistant("cut sh", status="interrupted")]
+            )
+            answer = _assistant("ort", source={"continues": str(cut.messages[-1].pk)})
+        elif turn == 9:
+            await sync_to_async(_add)(
+                session,
+                _assistant("", tool_calls=[call]),
+                services.NewMessage(
+                    role=Role.TOOL, content="ok", kind=MessageKind.TOOL_RESULT, tool_call_id="c7"
+                ),
+            )
+        await sync_to_async(_add)(session, answer)
+    stored = await sync_to_async(lambda: type(session).objects.get(pk=session.pk).last_seq)()
+    # The read window did move on: the last builds read far fewer messages than stored, and
+    # about as many as some turns before.
+    assert read[-1] < stored / 2 and abs(read[-1] - read[-10]) <= 2, (read, stored)
+    # Every build went on from the last but the first, the one right after the continuation
+    # and the tool's messages, and one each time the window's start passed those.
+    assert went_on >= 43, went_on
+
+
 async def test_what_builds_carry_for_the_next_stays_within_its_bytes(user):
     # covers: A6, F7 (the carried builds hold the messages' JSON the history cache may have
     # let go: the least recently built dialog goes first once they pass their bound)

@@ -11,14 +11,17 @@ walks back from the newest message until the budget is spent, so a build is line
 dialog, and its cost per message already seen is a lookup. A turn's first build goes on from
 the dialog's last one (`_Carried`, `CarriedBuilds`): it makes items for the messages stored
 since, moves the budget's start on and joins the request body's JSON in one go, so its cost
-follows what was added, not the dialog's length; anything else (a tool's call or result, a
+follows what was added, not the dialog's length, also once the dialog is longer than the read
+window and its start moves on with every turn; anything else (a tool's call or result, a
 continuation, another compaction, head or budget) walks the window again.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -111,13 +114,15 @@ CONTINUE_INSTRUCTION = (
 @dataclass(slots=True)
 class _Item:
     """One message of the model input: its OpenAI form, the key its token count is cached
-    under (None: count it afresh), whether it belongs to the turn being built, and, on a
-    stored message's own item, its token counts by counter name (`TokenCounter.name`)."""
+    under (None: count it afresh), whether it belongs to the turn being built, on a stored
+    message's own item its token counts by counter name (`TokenCounter.name`), and the seq
+    of the stored message it starts with (0 for this turn's own)."""
 
     data: dict[str, Any]
     key: Hashable | None
     in_turn: bool = False
     tokens: dict[str, int] | None = None
+    seq: int = 0
 
 
 @dataclass(slots=True)
@@ -156,7 +161,7 @@ def _replayed(m: Message) -> _Replayed:
         # Its JSON worked out here, once, on the thread that builds (F7).
         data = _encoded(message_to_openai(m))
         memo = _Replayed(
-            item=_Item(data, m.pk, tokens={}),
+            item=_Item(data, m.pk, tokens={}, seq=m.seq),
             id=str(m.id),
             skipped=m.kind == MessageKind.WELCOME or m.role == "system",
             answer=answer,
@@ -181,7 +186,7 @@ def _replay(items: list[_Item], answers: dict[str, int], m: Message, r: _Replaye
         data = {**joined.data, "content": (joined.data["content"] or "") + m.content}
         # The joined text is counted under the ids of all its parts.
         key = (joined.key, m.pk) if joined.key is not None else None
-        items[index] = _Item(data, key)
+        items[index] = _Item(data, key, seq=joined.seq)
         answers[r.id] = index
         return
     items.append(r.item)
@@ -213,7 +218,7 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
                     m.pop("tool_calls")
                     if not m["content"]:
                         continue
-                it = _Item(m, None, it.in_turn)
+                it = _Item(m, None, it.in_turn, seq=it.seq)
             called.update(c["id"] for c in calls)
         elif m["role"] == "tool" and m.get("tool_call_id") not in called:
             continue
@@ -224,9 +229,9 @@ def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
 @dataclass(frozen=True, slots=True)
 class _Carried:
     """What a build of a dialog's stored history alone left for the dialog's next one
-    (`TurnInputBuilder.assemble`): the history it walked (its first and last message and
-    their count) and the window the budget kept of it: its items (tool pairs checked, old
-    results trimmed), their messages and each one's JSON, how many items the budget left
+    (`TurnInputBuilder.assemble`): the history it walked (its first and last message, their
+    seqs and its length) and the window the budget kept of it: its items (tool pairs
+    checked, old results trimmed), their messages and each one's JSON, what the budget left
     out before it, and its tokens. The next build makes items for the messages appended
     since and moves the window's start on, instead of walking, counting and joining the
     whole window again (STYLE 18: the cost of a turn's first build no longer grows with the
@@ -237,6 +242,8 @@ class _Carried:
     key: tuple[Any, ...]
     first: Any
     last: Any
+    first_seq: int
+    last_seq: int
     walked: int
     window: _Window
 
@@ -245,7 +252,17 @@ class _Carried:
 class _Window:
     """The items of a model input the budget keeps, in order, with their messages and each
     one's JSON (the body is those messages), how many items it left out before them, their
-    tokens, and the bytes of their JSON."""
+    tokens, the bytes of their JSON; `before`, the seqs of the items left out (ascending),
+    and `hazard`, the seq of the first of them that is not a stored message's own item as it
+    is (a tool's call or result, an answer joined with its continuation: 0 for none).
+
+    With them, a history whose start moved on into what was left out (the read window of a
+    dialog longer than it, `selectors.turn_context`) is one the window goes on from: its
+    walk would leave out the items of `before` from that start on, and make the same items
+    of the messages it still holds. Unless a tool's call or a cut answer is before that start
+    and its result or continuation after it, which that walk makes differently (an orphan
+    result dropped, a continuation on its own): so a start past `hazard` walks again, and
+    that walk's window knows nothing of what is before its history."""
 
     items: list[_Item]
     datas: list[dict[str, Any]]
@@ -253,13 +270,35 @@ class _Window:
     dropped: int
     kept: int
     size: int
+    before: array[int]
+    hazard: int
 
     @classmethod
     def of(cls, items: list[_Item], start: int, kept: int) -> _Window:
         window = items[start:]
         datas = [it.data for it in window]
         jsons = [_json_of(data) for data in datas]
-        return cls(window, datas, jsons, start, kept, sum(map(len, jsons)))
+        before, hazard = _left_out(items[:start], array("q"), 0)
+        return cls(window, datas, jsons, start, kept, sum(map(len, jsons)), before, hazard)
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds, as `CarriedBuilds` counts it: its JSON and the seqs left out."""
+        return self.size + len(self.before) * self.before.itemsize
+
+
+def _left_out(items: list[_Item], before: array[int], hazard: int) -> tuple[array[int], int]:
+    """`_Window`'s `before` and `hazard` with `items`, newly left out by the budget, after
+    those left out already."""
+    seqs = array("q", [it.seq for it in items])
+    if not hazard:
+        for it in items:
+            data, key = it.data, it.key
+            # A joined answer's or a trimmed result's key is a tuple; a checked call's None.
+            if key is None or type(key) is tuple or data["role"] == "tool" or "tool_calls" in data:
+                hazard = it.seq
+                break
+    return (before + seqs if seqs else before), hazard
 
 
 class CarriedBuilds:
@@ -282,12 +321,12 @@ class CarriedBuilds:
         with self._lock:
             old = self._held.pop(session_pk, None)
             if old is not None:
-                self._bytes -= old.window.size
+                self._bytes -= old.window.held_bytes
             self._held[session_pk] = carried
-            self._bytes += carried.window.size
+            self._bytes += carried.window.held_bytes
             while self._bytes > self.max_bytes and self._held:
                 _pk, gone = self._held.popitem(last=False)
-                self._bytes -= gone.window.size
+                self._bytes -= gone.window.held_bytes
 
 
 def _go_on(
@@ -303,24 +342,39 @@ def _go_on(
     since, none of them a tool's call or result or a continuation (whose items change an
     earlier one), and the walk's inputs are the same (a message that is none of those
     changes no tool pair and no earlier item). The window's start only moves on: the items
-    before it did not fit then, and fit less with more after them."""
-    walked = carried.walked
-    if (
-        carried.key != key
-        or len(history) < walked
-        or history[0].pk != carried.first
-        or history[walked - 1].pk != carried.last
+    before it did not fit then, and fit less with more after them. `history` may also start
+    later than the one walked, in what the budget left out (a dialog longer than the read
+    window): then what is left out before its start is no longer counted (`_Window`)."""
+    if carried.key != key or not history:
+        return None
+    was = carried.window
+    start_seq = history[0].seq
+    before, dropped = was.before, was.dropped
+    if start_seq == carried.first_seq:
+        if history[0].pk != carried.first:
+            return None
+        last = carried.walked - 1
+    elif (
+        start_seq > carried.first_seq
+        and (not was.hazard or was.hazard >= start_seq)
+        and (not was.items or was.items[0].seq >= start_seq)
     ):
+        # Seqs run on without a gap; a history that does not fails the check below.
+        last = carried.last_seq - start_seq
+        gone = bisect.bisect_left(before, start_seq)
+        before, dropped = before[gone:], dropped - gone
+    else:
+        return None
+    if not 0 <= last < len(history) or history[last].pk != carried.last:
         return None
     added: list[_Item] = []
-    for m in history[walked:]:
+    for m in history[last + 1 :]:
         r = m.__dict__.get(_REPLAYED) or _replayed(m)
         if r.skipped or m.seq <= through or r.empty:
             continue  # as `_walk` (an empty answer is never replayed, E5)
         if not r.plain:
             return None
         added.append(r.item)
-    was = carried.window
     items, kept, size = was.items, was.kept, was.size
     datas, jsons = was.datas, was.jsons
     if added:
@@ -339,9 +393,12 @@ def _go_on(
         kept -= count(items[start])
         start += 1
     if not start:
-        return _Window(items, datas, jsons, was.dropped, kept, size)
+        return _Window(items, datas, jsons, dropped, kept, size, before, was.hazard)
     size -= sum(map(len, jsons[:start]))
-    return _Window(items[start:], datas[start:], jsons[start:], was.dropped + start, kept, size)
+    before, hazard = _left_out(items[:start], before, was.hazard)
+    return _Window(
+        items[start:], datas[start:], jsons[start:], dropped + start, kept, size, before, hazard
+    )
 
 
 def _joined_input(
@@ -631,6 +688,8 @@ class TurnInputBuilder:
                     key=key,
                     first=history[0].pk,
                     last=history[-1].pk,
+                    first_seq=history[0].seq,
+                    last_seq=history[-1].seq,
                     walked=len(history),
                     window=window,
                 ),
@@ -703,7 +762,9 @@ class TurnInputBuilder:
                 content = it.data["content"]
                 if not it.in_turn and it.data["role"] == "tool" and len(content) > limit:
                     key = ("trimmed", it.key) if it.key is not None else None
-                    items[i] = _Item({**it.data, "content": content[:limit] + TRIMMED_NOTE}, key)
+                    items[i] = _Item(
+                        {**it.data, "content": content[:limit] + TRIMMED_NOTE}, key, seq=it.seq
+                    )
 
         # Keep within budget by leaving out the oldest messages, never this turn's nor the
         # last stored one (this turn's user message). Walking back from the newest message

@@ -274,11 +274,13 @@ class _Window:
     hazard: int
 
     @classmethod
-    def of(cls, items: list[_Item], start: int, kept: int) -> _Window:
+    def of(cls, items: list[_Item], start: int, kept: int, *, plain: bool) -> _Window:
+        """`plain`: every one of `items` is a stored message's own, as it is (its walk met
+        no tool's message, continuation or empty answer): none is looked at for `hazard`."""
         window = items[start:]
         datas = [it.data for it in window]
         jsons = [_json_of(data) for data in datas]
-        before, hazard = _left_out(items[:start], array("q"), 0)
+        before, hazard = _left_out(items[:start], array("q"), 0, plain=plain)
         return cls(window, datas, jsons, start, kept, sum(map(len, jsons)), before, hazard)
 
     @property
@@ -287,11 +289,13 @@ class _Window:
         return self.size + len(self.before) * self.before.itemsize
 
 
-def _left_out(items: list[_Item], before: array[int], hazard: int) -> tuple[array[int], int]:
+def _left_out(
+    items: list[_Item], before: array[int], hazard: int, *, plain: bool = False
+) -> tuple[array[int], int]:
     """`_Window`'s `before` and `hazard` with `items`, newly left out by the budget, after
-    those left out already."""
+    those left out already (`plain`: as for `_Window.of`)."""
     seqs = array("q", [it.seq for it in items])
-    if not hazard:
+    if not hazard and not plain:
         for it in items:
             data, key = it.data, it.key
             # A joined answer's or a trimmed result's key is a tuple; a checked call's None.
@@ -673,13 +677,13 @@ class TurnInputBuilder:
             jsons: list[bytes] | None = window.jsons
             start, total = window.dropped, head_total + window.kept
         else:
-            items, start, total = self._walk(
+            items, start, total, plain = self._walk(
                 history, pending, through, exclude_turn_partials, budget, head_total, count
             )
             body = [it.data for it in items[start:]]
             jsons = None
             if carries and items:
-                window = _Window.of(items, start, total - head_total)
+                window = _Window.of(items, start, total - head_total, plain=plain)
                 jsons = window.jsons
         if carries and window is not None:
             self.carried.put(
@@ -728,15 +732,15 @@ class TurnInputBuilder:
         budget: int,
         head_total: int,
         count: Any,
-    ) -> tuple[list[_Item], int, int]:
+    ) -> tuple[list[_Item], int, int, bool]:
         """The model input's items from the stored `history` and this turn's `pending`
-        messages, the first one the budget keeps, and the tokens of the head and of what it
-        keeps."""
+        messages, the first one the budget keeps, the tokens of the head and of what it
+        keeps, and whether every stored message of it was a plain one (`_Replayed.plain`)."""
         items: list[_Item] = []
         answers: dict[str, int] = {}
         # This walk runs for every message of the window before every first token: the
         # usual message (`plain`) costs a lookup and an append.
-        tools = False
+        tools = mixed = False
         for m in history:
             r = m.__dict__.get(_REPLAYED) or _replayed(m)
             if r.skipped or m.seq <= through:
@@ -748,7 +752,7 @@ class TurnInputBuilder:
                 if r.answer:
                     answers[r.id] = len(items) - 1
             else:
-                tools = tools or r.tool
+                tools, mixed = tools or r.tool, True
                 _replay(items, answers, m, r)
         for p in pending:
             tools = tools or p.role == "tool" or bool(p.tool_calls)
@@ -792,4 +796,4 @@ class TurnInputBuilder:
         while start < len(items) and items[start].data["role"] == "tool":
             total -= counts[start]
             start += 1
-        return items, start, total
+        return items, start, total, not mixed

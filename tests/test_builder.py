@@ -245,14 +245,27 @@ async def test_the_request_body_is_the_windows_join_plus_what_a_step_appends(use
     assert json.loads(encode_body({"messages": messages}))["messages"] == expected[1:]
 
 
-async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_sends(
-    user, monkeypatch
-):
-    # covers: C7, C8, E5, F7 (STYLE 18: a turn's first build walks, counts and joins only
-    # what was appended since the dialog's last one; past the budget the window moves on; a
-    # continuation, a tool's messages and a new note each make it walk again; and whatever
-    # path it took, the request body is byte for byte a fresh build's)
-    from chatcore.engine.provider_types import encode_body
+def _tool_round(call_id: str) -> list[services.NewMessage]:
+    """An assistant's tool call and the tool's result."""
+    call = {"id": call_id, "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    return [
+        _assistant("", tool_calls=[call]),
+        services.NewMessage(
+            role=Role.TOOL, content="ok", kind=MessageKind.TOOL_RESULT, tool_call_id=call_id
+        ),
+    ]
+
+
+def _cut_then_continued(session: Any) -> services.NewMessage:
+    """A cut answer stored in `session`, and the answer that continues it (E5), to store."""
+    cut = services.messages_append(
+        session_pk=session.pk, messages=[_assistant("cut sh", status="interrupted")]
+    )
+    return _assistant("ort", source={"continues": str(cut.messages[-1].pk)})
+
+
+def _counted_walks(monkeypatch: Any) -> list[int]:
+    """The length of the history each build walks in full from now on, in order."""
     from chatcore.engine.turns import builder as builder_module
 
     walks: list[int] = []
@@ -263,51 +276,55 @@ async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_
         return walk(self, history, *args)
 
     monkeypatch.setattr(builder_module.TurnInputBuilder, "_walk", counted)
+    return walks
+
+
+async def _built_as_fresh(kept: TurnInputBuilder, session: Any, context_window: int) -> Any:
+    """`kept`'s build of the dialog's next turn, checked against a fresh builder's: the same
+    messages, token estimate, count of what was left out, and request body, byte for byte
+    (the kept builder's walk, if any, is counted first)."""
+    from chatcore.engine.provider_types import encode_body
+
+    sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
+    fresh = await _builder(context_window=context_window).prepare(
+        session_pk=session.pk, runtime=_runtime(session)
+    )
+    assert sent.messages == fresh.messages
+    assert (sent.estimated_tokens, sent.dropped_for_budget) == (
+        fresh.estimated_tokens,
+        fresh.dropped_for_budget,
+    )
+    payload = {"model": "m", "stream": True}
+    assert encode_body({**payload, "messages": sent.messages}) == encode_body(
+        {**payload, "messages": list(fresh.messages)}
+    )
+    assert sent.messages[-1]["content"].count(RUNTIME_MARKER) == 1
+    return sent
+
+
+async def test_a_turns_build_goes_on_from_the_last_and_sends_what_a_fresh_build_sends(
+    user, monkeypatch
+):
+    # covers: C7, C8, E5, F7 (STYLE 18: a turn's first build walks, counts and joins only
+    # what was appended since the dialog's last one; past the budget the window moves on; a
+    # continuation, a tool's messages and a new note each make it walk again; and whatever
+    # path it took, the request body is byte for byte a fresh build's)
+    walks = _counted_walks(monkeypatch)
     session = await sync_to_async(_dialog)(user)
     # A window small enough for the dialog to outgrow it: the oldest messages drop out.
     kept = _builder(context_window=600)
-    call = {"id": "c9", "type": "function", "function": {"name": "x", "arguments": "{}"}}
-
-    def tool_round() -> list[services.NewMessage]:
-        return [
-            _assistant("", tool_calls=[call]),
-            services.NewMessage(
-                role=Role.TOOL, content="ok", kind=MessageKind.TOOL_RESULT, tool_call_id="c9"
-            ),
-        ]
-
-    async def same_as_fresh() -> Any:
-        sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
-        fresh = await _builder(context_window=600).prepare(
-            session_pk=session.pk, runtime=_runtime(session)
-        )
-        assert sent.messages == fresh.messages
-        assert (sent.estimated_tokens, sent.dropped_for_budget) == (
-            fresh.estimated_tokens,
-            fresh.dropped_for_budget,
-        )
-        payload = {"model": "m", "stream": True}
-        assert encode_body({**payload, "messages": sent.messages}) == encode_body(
-            {**payload, "messages": list(fresh.messages)}
-        )
-        assert sent.messages[-1]["content"].count(RUNTIME_MARKER) == 1
-        return sent
-
     went_on = 0
     for turn in range(40):
         await sync_to_async(_add)(session, _user(f"question {turn} " + "q" * (turn % 7) * 20))
         walks.clear()
-        sent = await same_as_fresh()
+        sent = await _built_as_fresh(kept, session, 600)
         # The kept builder's own walk is the first one counted; a fresh one always walks.
         went_on += len(walks) == 1
         answer = _assistant(f"answer {turn} " + "a" * 90)
         if turn == 12:
-            cut = await sync_to_async(services.messages_append)(
-                session_pk=session.pk, messages=[_assistant("cut sh", status="interrupted")]
-            )
-            answer = _assistant("ort", source={"continues": str(cut.messages[-1].pk)})
+            answer = await sync_to_async(_cut_then_continued)(session)
         elif turn == 20:
-            await sync_to_async(_add)(session, *tool_round())
+            await sync_to_async(_add)(session, *_tool_round("c9"))
         elif turn == 25:
             answer = _assistant("")  # E5: an empty answer is never replayed
         elif turn == 30:
@@ -326,55 +343,23 @@ async def test_a_dialog_longer_than_its_read_window_still_goes_on_from_the_last_
     # window's start moves on with every turn; the build still goes on from the last one, a
     # continuation or a tool's call left behind by that start makes it walk once, and the
     # request body and what it says was left out are a fresh build's)
-    from chatcore.engine.provider_types import encode_body
-    from chatcore.engine.turns import builder as builder_module
-
-    walks: list[int] = []
-    walk = builder_module.TurnInputBuilder._walk
-
-    def counted(self: Any, history: Any, *args: Any) -> Any:
-        walks.append(len(history))
-        return walk(self, history, *args)
-
-    monkeypatch.setattr(builder_module.TurnInputBuilder, "_walk", counted)
+    walks = _counted_walks(monkeypatch)
     session = await sync_to_async(_dialog)(user)
     # 600 tokens: a read window of 9,600 characters, about fifteen of these turns.
     kept = _builder(context_window=600)
-    call = {"id": "c7", "type": "function", "function": {"name": "x", "arguments": "{}"}}
     went_on, read = 0, []
     for turn in range(48):
         await sync_to_async(_add)(session, _user(f"question {turn} " + "q" * (turn % 5) * 30))
         walks.clear()
-        sent = await kept.prepare(session_pk=session.pk, runtime=_runtime(session))
-        fresh = await _builder(context_window=600).prepare(
-            session_pk=session.pk, runtime=_runtime(session)
-        )
-        assert sent.messages == fresh.messages, turn
-        assert (sent.estimated_tokens, sent.dropped_for_budget) == (
-            fresh.estimated_tokens,
-            fresh.dropped_for_budget,
-        ), turn
-        payload = {"model": "m", "stream": True}
-        assert encode_body({**payload, "messages": sent.messages}) == encode_body(
-            {**payload, "messages": list(fresh.messages)}
-        )
+        await _built_as_fresh(kept, session, 600)
         # The kept builder's own walk is the first one counted; a fresh one always walks.
         went_on += len(walks) == 1
         read.append(walks[-1])
         answer = _assistant(f"answer {turn} " + "a" * 560)
         if turn == 4:
-            cut = await sync_to_async(services.messages_append)(
-                session_pk=session.pk, messages=[_assistant("cut sh", status="interrupted")]
-            )
-            answer = _assistant("ort", source={"continues": str(cut.messages[-1].pk)})
+            answer = await sync_to_async(_cut_then_continued)(session)
         elif turn == 9:
-            await sync_to_async(_add)(
-                session,
-                _assistant("", tool_calls=[call]),
-                services.NewMessage(
-                    role=Role.TOOL, content="ok", kind=MessageKind.TOOL_RESULT, tool_call_id="c7"
-                ),
-            )
+            await sync_to_async(_add)(session, *_tool_round("c7"))
         await sync_to_async(_add)(session, answer)
     stored = await sync_to_async(lambda: type(session).objects.get(pk=session.pk).last_seq)()
     # The read window did move on: the last builds read far fewer messages than stored, and

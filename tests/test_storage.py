@@ -485,6 +485,33 @@ def test_history_window_keeps_the_newest_messages_and_the_one_that_crosses_the_l
     assert window(other, 5) == 0
 
 
+def test_the_window_of_a_long_or_cleared_dialog_counts_what_it_leaves_out(user):
+    # covers: F7, C7, A3 (the window is read from the newest message as far as its boundary,
+    # and what it leaves out is counted from seqs: exact for a dialog many times longer than
+    # the window, and after its messages were cleared, whose seqs resume above the gap)
+    from sessions_app import selectors
+
+    session = create(user)
+    services.messages_append(
+        session_pk=session.pk, messages=[user_msg("x" * 10) for _ in range(60)]
+    )
+
+    def read() -> tuple[int, int]:
+        found = selectors.turn_context(session_pk=session.pk, owner_id=user.pk, max_chars=35)
+        outside = Message.objects.filter(session_id=session.pk, seq__lte=found.window_start).count()
+        assert found.skipped == outside
+        return found.window_start, found.skipped
+
+    last = fresh(session).last_seq
+    # The three newest fit in 35 characters, the fourth crosses and is read: the rest (the
+    # welcome among them) is left out.
+    assert read() == (last - 4, last - 4)
+    services.messages_clear(session=session)
+    services.messages_append(session_pk=session.pk, messages=[user_msg("y" * 10) for _ in range(6)])
+    last = fresh(session).last_seq
+    assert read() == (last - 4, 2)
+
+
 def test_the_window_counts_characters_of_messages_however_they_were_written(user):
     # covers: F7, C7 (the window sums each message's length as the database keeps it, in
     # characters: text beyond ASCII counts as the model reads it, not by its bytes)

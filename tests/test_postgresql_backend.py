@@ -6,6 +6,7 @@ all answers a retryable 503 (A4)."""
 
 from __future__ import annotations
 
+import datetime
 import sys
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from asgiref.sync import sync_to_async
+from django.contrib.auth.models import User
 from django.db import IntegrityError, connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 from psycopg import OperationalError
@@ -589,3 +591,59 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_two_round_trips(
         assert queue.release_if_idle(started.lease)
     assert exchanges.count == 2
     assert Session.objects.get(pk=session.pk).lease_owner == ""
+
+
+_STAMPS = [
+    "2026-12-06 13:10:09.932796+00",
+    "2000-02-29 23:59:59.5+05:30",
+    "1969-12-31 23:59:59-08",
+    "0001-01-01 00:00:00+00",
+    "9999-12-30 23:59:59.999999+00",
+    "1890-06-01 12:00:00+00:19:32",
+]
+
+
+def _read_stamps(cursor: Any) -> list[Any]:
+    cursor.execute(
+        "SELECT s::timestamptz FROM unnest(%s::text[]) WITH ORDINALITY AS t(s, n) ORDER BY n",
+        [_STAMPS],
+    )
+    return [row[0] for row in cursor.fetchall()]
+
+
+def test_timestamps_read_back_as_django_reads_them_aware_and_in_utc(pool: Any) -> None:
+    # covers: A2 (a message's and a dialog's stored times), G6 (timestamps parsed by
+    # psycopg's compiled loader, not in Python)
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+
+    from chatcore.postgresql.base import UtcTimestamptzLoader
+
+    with connection.cursor() as cursor:
+        ours = _read_stamps(cursor)
+        register_tzloader(datetime.UTC, cursor.cursor)  # Django's own loader, on this cursor
+        djangos = _read_stamps(cursor)
+    assert connection.connection.adapters.get_loader(1184, psycopg.pq.Format.TEXT) is (
+        UtcTimestamptzLoader
+    )
+    assert ours == djangos
+    assert all(value.tzinfo is datetime.UTC for value in ours)
+    assert ours[1] == datetime.datetime(2000, 2, 29, 18, 29, 59, 500000, tzinfo=datetime.UTC)
+    assert ours[4].microsecond == 999999
+
+    # A connection another time zone was set on reads the same instants, as Django's loader
+    # would (whose values it would then be wrong on; Django keeps its connections in UTC).
+    with connection.cursor() as cursor:
+        cursor.execute("SET TIME ZONE 'Asia/Kolkata'")
+        try:
+            elsewhere = _read_stamps(cursor)
+            register_tzloader(datetime.UTC, cursor.cursor)
+            assert elsewhere == _read_stamps(cursor)
+        finally:
+            cursor.execute("SET TIME ZONE 'UTC'")
+
+    # Through the ORM: a dialog's stored time comes back as it was written.
+    owner = User.objects.create_user("stamps")
+    session = Session.objects.create(owner=owner, channel="web", chat_id="c")
+    written = datetime.datetime(2001, 9, 9, 1, 46, 40, 123456, tzinfo=datetime.UTC)
+    Session.objects.filter(pk=session.pk).update(created_at=written)
+    assert Session.objects.get(pk=session.pk).created_at == written

@@ -654,3 +654,13 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     for read_message, orm_message in zip(context, orm_messages, strict=True):
         for field in Message._meta.concrete_fields:
             assert getattr(read_message, field.attname) == getattr(orm_message, field.attname)
+    # ...and the instances are the ORM's too: the same attributes and state, a lazy related
+    # object, and a save that updates the row rather than adding one.
+    for read_message, orm_message in zip(context, orm_messages, strict=True):
+        assert vars(read_message).keys() == vars(orm_message).keys()
+        assert (read_message._state.adding, read_message._state.db) == (False, "default")
+    assert context[0].session.pk == session.pk and context[0].session.title == "renamed"
+    context[0].content = "edited"
+    context[0].save(update_fields=["content"])
+    assert Message.objects.get(pk=context[0].pk).content == "edited"
+    assert Message.objects.filter(session=session, seq__gte=100).count() == 3

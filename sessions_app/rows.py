@@ -14,8 +14,10 @@ primary keys (UUID or text), so nothing `save()` would do is missed."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -153,21 +155,56 @@ def cursor() -> CursorWrapper:
         raw.cursor_factory = client
 
 
+# Per vendor, field types whose conversion returns a value of this Python type as it is
+# there: the driver adapts it (a UUID where the database has a native type, an aware datetime
+# on PostgreSQL).
+_PLAIN_ON: dict[str, dict[str, type]] = {
+    "postgresql": {"UUIDField": uuid.UUID, "DateTimeField": datetime.datetime},
+}
+
+
 @functools.cache
-def _plain_type(field: Field[Any, Any]) -> type | None:
-    """The Python type whose values `field` stores unconverted, or None (convert always)."""
+def _plain_type(field: Field[Any, Any], vendor: str) -> type | None:
+    """The Python type whose values `field` stores unconverted on `vendor`, or None (convert
+    always). A datetime only when aware, which `_db_values` checks."""
     if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
         return None  # `pre_save` sets the value
     target = field.target_field if field.is_relation else field  # type: ignore[attr-defined]
-    return _PLAIN.get(target.get_internal_type())
+    internal = target.get_internal_type()
+    return _PLAIN.get(internal) or _PLAIN_ON.get(vendor, {}).get(internal)
 
 
-def _db_value(field: Field[Any, Any], obj: Model, add: bool, conn: BaseDatabaseWrapper) -> Any:
-    value = getattr(obj, field.attname)
-    plain = _plain_type(field)
-    if plain is not None and (value is None or type(value) is plain):
-        return value
-    return field.get_db_prep_save(field.pre_save(obj, add=add), conn)
+@functools.cache
+def _value_plan(
+    model: type[Model], vendor: str, names: tuple[str, ...] | None
+) -> list[tuple[str, type | None, Field[Any, Any]]]:
+    """Per field written (`names`, or all `_written`): its attribute, `_plain_type`, field."""
+    fields = _written(model) if names is None else _named(model, names)
+    return [(f.attname, _plain_type(f, vendor), f) for f in fields]
+
+
+def _db_values(
+    plan: list[tuple[str, type | None, Field[Any, Any]]],
+    obj: Model,
+    add: bool,
+    conn: BaseDatabaseWrapper,
+    out: list[Any],
+) -> None:
+    """`obj`'s values for `plan`'s fields as `Model.save` would send them, onto `out`: a
+    value of its field's plain type as it is (an aware datetime only), any other through the
+    field's own conversion. One loop, no call per plain value: an INSERT of a turn has 42."""
+    for attname, plain, field in plan:
+        value = getattr(obj, attname)
+        if value is None:
+            if plain is not None:
+                out.append(None)
+                continue
+        else:
+            kind = type(value)
+            if kind is plain and (kind is not datetime.datetime or value.utcoffset() is not None):
+                out.append(value)
+                continue
+        out.append(field.get_db_prep_save(field.pre_save(obj, add=add), conn))
 
 
 def _quote(conn: BaseDatabaseWrapper, name: str | None) -> str:
@@ -204,8 +241,10 @@ def insert(objs: Sequence[Model]) -> None:
     if opts.pk is None or opts.pk.db_returning:
         raise ValueError(f"{opts.label}: rows.insert needs a client-side primary key")
     conn = connections[DEFAULT_DB_ALIAS]
-    fields = _written(model)
-    params = [_db_value(field, obj, True, conn) for obj in objs for field in fields]
+    plan = _value_plan(model, conn.vendor, None)
+    params: list[Any] = []
+    for obj in objs:
+        _db_values(plan, obj, True, conn, params)
     _write(_insert_sql(model, conn.vendor, len(objs)), params)
     for obj in objs:
         obj._state.adding = False
@@ -237,7 +276,8 @@ def update(obj: Model, names: Iterable[str]) -> None:
     assert opts.pk is not None
     names = tuple(names)
     conn = connections[DEFAULT_DB_ALIAS]
-    params = [_db_value(f, obj, False, conn) for f in _named(model, names)]
+    params: list[Any] = []
+    _db_values(_value_plan(model, conn.vendor, names), obj, False, conn, params)
     params.append(opts.pk.get_db_prep_value(obj.pk, conn))
     _write(_update_sql(model, conn.vendor, names), params)
 

@@ -664,3 +664,27 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     context[0].save(update_fields=["content"])
     assert Message.objects.get(pk=context[0].pk).content == "edited"
     assert Message.objects.filter(session=session, seq__gte=100).count() == 3
+
+
+def test_values_the_orm_would_convert_are_written_converted_in_one_statement(user):
+    # covers: A3, G6 (a value given in another type than its field's, or a naive time, is
+    # stored as the ORM stores it, not passed through as it is)
+    import datetime
+    import uuid
+
+    from sessions_app import rows
+
+    session = create(user)
+    naive = datetime.datetime(2026, 3, 1, 12, 30, 15, 250000)  # noqa: DTZ001 (naive on purpose)
+    key = uuid.uuid4()
+    raw = Message(session=session, seq=200, role=Role.USER, content="a", created_at=naive)
+    raw.id = key.hex  # a UUID given as its text
+    orm = Message(session=session, seq=201, role=Role.USER, content="a", created_at=naive)
+    with pytest.warns(RuntimeWarning, match="naive datetime"):
+        rows.insert([raw])
+    with pytest.warns(RuntimeWarning, match="naive datetime"):
+        orm.save()
+    stored = {m.seq: m for m in Message.objects.filter(session=session, seq__gte=200)}
+    assert stored[200].pk == key
+    assert stored[200].created_at == stored[201].created_at
+    assert stored[200].created_at.utcoffset() == datetime.timedelta(0)

@@ -192,7 +192,7 @@ def _db_values(
 ) -> None:
     """`obj`'s values for `plan`'s fields as `Model.save` would send them, onto `out`: a
     value of its field's plain type as it is (an aware datetime only), any other through the
-    field's own conversion. One loop, no call per plain value: an INSERT of a turn has 42."""
+    field's own conversion. One loop, no call per plain value: a turn's start writes 42."""
     for attname, plain, field in plan:
         value = getattr(obj, attname)
         if value is None:
@@ -330,8 +330,8 @@ def _set_directly(model: type[Model]) -> tuple[str, ...] | None:
 def from_row(model: type[M], row: Sequence[Any]) -> M:
     """A `model` instance from the first columns of `row` (selected with `columns`), as the
     ORM would build it; the columns after those are the caller's. Made as `Model.__init__`
-    makes it (`_set_directly`): a fifth of its cost, which a long history's read pays once
-    per message."""
+    makes it, without its steps per field (`_set_directly`), which a long history's read
+    pays once per message."""
     conn = connections[DEFAULT_DB_ALIAS]
     values = list(row[: len(model._meta.concrete_fields)])
     for i, found, col in _converters(model, conn.vendor):
@@ -342,7 +342,7 @@ def from_row(model: type[M], row: Sequence[Any]) -> M:
     names = _set_directly(model)
     if names is None:
         return model.from_db(conn.alias, (), values)
-    pre_init.send(sender=model, args=values, kwargs={})
+    pre_init.send(sender=model, args=tuple(values), kwargs={})
     obj = model.__new__(model)
     state = obj.__dict__["_state"] = ModelState()
     obj.__dict__.update(zip(names, values, strict=True))

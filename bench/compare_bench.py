@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -314,6 +315,19 @@ def throwaway_database(database_url: str) -> tuple[str, Any]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     return url, drop
+
+
+def in_process_database(database_url: str, prefix: str) -> Callable[[], None]:
+    """Point this process's Django at a database of its own, before `django.setup()`: a
+    throwaway one on `database_url`'s PostgreSQL server, or without one SQLite in a new
+    temporary folder (`prefix`). Returns what to call at the end (drops the PostgreSQL one)."""
+    if database_url:
+        url, drop = throwaway_database(database_url)
+        os.environ["DATABASE_URL"] = url
+        return drop
+    os.environ["CHAT_VAR_DIR"] = tempfile.mkdtemp(prefix=prefix)
+    os.environ.pop("DATABASE_URL", None)
+    return lambda: None
 
 
 def scaled_env(

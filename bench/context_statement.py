@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import throwaway_database  # noqa: E402
+from bench.compare_bench import in_process_database  # noqa: E402
 
 RUNS, SKIP = 350, 50
 
@@ -49,13 +48,7 @@ def timed(run: Callable[[], object]) -> tuple[float, float]:
 
 
 def main(args: argparse.Namespace) -> None:
-    drop = None
-    if args.database_url:
-        url, drop = throwaway_database(args.database_url)
-        os.environ["DATABASE_URL"] = url
-    else:
-        os.environ["CHAT_VAR_DIR"] = tempfile.mkdtemp(prefix="context-statement-")
-        os.environ.pop("DATABASE_URL", None)
+    drop = in_process_database(args.database_url, "context-statement-")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chatcore.settings")
     import django
 
@@ -125,8 +118,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"| {count} | {p50:.3f} / {p90:.3f} | {floor:.3f} |")
     finally:
         connection.close()
-        if drop is not None:
-            drop()
+        drop()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import functools
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import throwaway_database  # noqa: E402
+from bench.compare_bench import in_process_database  # noqa: E402
 
 RUNS, SKIP = 45, 5
 
@@ -45,13 +44,7 @@ def cpu(run: Callable[[], object]) -> float:
 
 
 def main(args: argparse.Namespace) -> None:
-    drop = None
-    if args.database_url:
-        url, drop = throwaway_database(args.database_url)
-        os.environ["DATABASE_URL"] = url
-    else:
-        os.environ["CHAT_VAR_DIR"] = tempfile.mkdtemp(prefix="read-bench-")
-        os.environ.pop("DATABASE_URL", None)
+    drop = in_process_database(args.database_url, "read-bench-")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chatcore.settings")
     import django
 
@@ -97,8 +90,7 @@ def main(args: argparse.Namespace) -> None:
             )
     finally:
         connection.close()
-        if drop is not None:
-            drop()
+        drop()
 
 
 if __name__ == "__main__":

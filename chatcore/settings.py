@@ -60,6 +60,11 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", Fal
 # A TLS-terminating proxy in front sets X-Forwarded-Proto; trust it only when it always does.
 if _env_bool("DJANGO_TRUST_X_FORWARDED_PROTO", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# H5: the client address of audit records. Behind that trusted proxy, the last address it
+# appended to X-Forwarded-For; otherwise the connection's peer.
+TRUST_X_FORWARDED_FOR = _env_bool(
+    "DJANGO_TRUST_X_FORWARDED_FOR", _env_bool("DJANGO_TRUST_X_FORWARDED_PROTO", False)
+)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 # Pages run only this site's scripts (no inline script) and are never framed.
 CONTENT_SECURITY_POLICY = {
@@ -85,6 +90,7 @@ INSTALLED_APPS = [
     "channels",
     "ninja",
     "sessions_app",
+    "audit",
 ]
 
 MIDDLEWARE = [
@@ -243,6 +249,8 @@ CHAT: dict[str, Any] = {
     "QUEUE_CAPACITY": _env_int("CHAT_QUEUE_CAPACITY", 32),
     "GLOBAL_ADMISSION_BOUND": _env_int("CHAT_GLOBAL_ADMISSION_BOUND", 10_000),
     "RETENTION_DAYS": _env_int("CHAT_RETENTION_DAYS", 30),
+    # H5: audit records older than this are purged by the background sweep (0: kept forever).
+    "AUDIT_RETENTION_DAYS": _env_int("CHAT_AUDIT_RETENTION_DAYS", 365),
     "CONTENT_LIMIT": _env_int("CHAT_CONTENT_LIMIT", 65_536),
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),

@@ -23,6 +23,7 @@ from django.http.cookie import parse_cookie
 from django.utils import translation
 from django.utils.translation import gettext as _
 
+from audit.trail import scope_ip
 from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
@@ -102,6 +103,8 @@ class ChatConsumer(ChatEventsConsumer):
             chat_id=self.chat_id,
             layer=self.channel_layer,
             reply_channel=self.channel_name,
+            ip=scope_ip(self.scope),
+            via="websocket",
         )
         self.start_relaying()
         self.login = self.scope.get("login")

@@ -36,6 +36,7 @@ from django.http import (
 from django.utils.translation import gettext as _
 from ninja import Query, Router, Status
 
+from audit.trail import Actor, client_ip
 from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import NotFound, ShuttingDown
@@ -94,6 +95,11 @@ SEND_ERRORS: dict[int, Any] = {
 
 def _user(request: HttpRequest) -> User:
     return cast(User, request.auth)  # type: ignore[attr-defined]
+
+
+def _actor(request: HttpRequest, user: User) -> Actor:
+    """H5: the caller (a token's or a session's user; `request.user` is not set for a token)."""
+    return Actor.of_user(user, ip=client_ip(request.META), via="rest")
 
 
 def _owned(user: User, session_id: str) -> Session:
@@ -205,7 +211,11 @@ async def rename_session(
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
 
     def rename() -> dict[str, Any]:
-        session = services.session_rename(session=_writable(user, session_id), title=payload.title)
+        session = services.session_rename(
+            session=_writable(user, session_id),
+            title=payload.title,
+            actor=_actor(request, user),
+        )
         return clientstate.session_state(session, engine)
 
     return await on_db(rename)()
@@ -221,7 +231,7 @@ async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
-    await delete_dialog(engine=engine, session=session, by=user)
+    await delete_dialog(engine=engine, session=session, by=_actor(request, user))
     response = HttpResponse(status=204)
     del response["Content-Type"]  # no body, so no type
     return response

@@ -16,6 +16,7 @@ from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from audit.trail import Actor
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, UnknownCommand
 from chatcore.common.ids import validate_part
@@ -37,6 +38,12 @@ class CommandContext:
     chat_id: str
     current: Session | None
     engine: Engine | None = None
+    # H5: who runs the command and from where, for the audit trail (default: the owner).
+    actor: Actor | None = None
+
+    @property
+    def audit_actor(self) -> Actor:
+        return self.actor or Actor.of_user(self.owner)
 
 
 @dataclass
@@ -194,7 +201,9 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if not args:
         raise BadRequest(_("Usage: /rename <title>"))
-    session = await on_db(services.session_rename)(session=session, title=args)
+    session = await on_db(services.session_rename)(
+        session=session, title=args, actor=ctx.audit_actor
+    )
     return CommandResult(
         "rename",
         _("Renamed to: %(title)s") % {"title": session.title},
@@ -206,7 +215,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
 @command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"), writes=True)
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
-    await delete_dialog(engine=ctx.engine, session=session, by=ctx.owner)
+    await delete_dialog(engine=ctx.engine, session=session, by=ctx.audit_actor)
     current = await on_db(dialog_after_delete)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, states=_states(ctx)
     )

@@ -9,15 +9,15 @@ any other delete does (C9).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from asgiref.sync import async_to_sync
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from django.core.paginator import Page, Paginator
+from django.db import transaction
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
@@ -27,11 +27,13 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from audit.trail import Action, audit_dialog
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
 from .. import services
 from ..models import Message, Session, TitleSource, Turn
+from .history import AuditHistoryMixin, admin_actor
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -110,8 +112,9 @@ class SessionAdminForm(forms.ModelForm):
 
 
 @admin.register(Session)
-class SessionAdmin(admin.ModelAdmin):
+class SessionAdmin(AuditHistoryMixin, admin.ModelAdmin):
     form = SessionAdminForm
+    audit_target_type = "dialog"
     inlines = (MessageInline,)
     list_display = (
         "session_id_display",
@@ -246,7 +249,10 @@ class SessionAdmin(admin.ModelAdmin):
         if change and "title" in form.changed_data:
             try:
                 services.session_rename(
-                    session=obj, title=form.cleaned_data["title"], source=TitleSource.OPERATOR
+                    session=obj,
+                    title=form.cleaned_data["title"],
+                    source=TitleSource.OPERATOR,
+                    actor=admin_actor(request),
                 )
             except ChatError as exc:
                 self.message_user(request, exc.message, level=messages.ERROR)
@@ -262,11 +268,39 @@ class SessionAdmin(admin.ModelAdmin):
         return super().construct_change_message(request, form, [], add)
 
     def delete_model(self, request: HttpRequest, obj: Session) -> None:
-        services.session_purge(session=obj)
+        services.session_purge(session=obj, actor=admin_actor(request))
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
         for session in queryset:
-            services.session_purge(session=session)
+            services.session_purge(session=session, actor=admin_actor(request))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # H5: an operator reading another user's conversation is recorded (once per page
+        # shown, with the page of messages), in the transaction that reads it.
+        with transaction.atomic():
+            response = super().change_view(request, object_id, form_url, extra_context)
+            original = getattr(response, "context_data", None) or {}
+            session = original.get("original")
+            if (
+                request.method == "GET"
+                and response.status_code == 200
+                and isinstance(session, Session)
+                and session.owner_id != request.user.pk
+            ):
+                page = request.GET.get(MESSAGE_PAGE_PARAM) or "1"
+                audit_dialog(
+                    actor=admin_actor(request),
+                    action=Action.ADMIN_VIEW_DIALOG,
+                    session=session,
+                    messages_page=page,
+                )
+        return response
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         # Purging cascades in the database (A7). Listing every message would make the page
@@ -288,9 +322,7 @@ class SessionAdmin(admin.ModelAdmin):
         for session in queryset.filter(deleted_at__isnull=True):
             try:
                 # C9: the one delete; it ends a running turn, wherever it runs, as stale.
-                async_to_sync(delete_dialog)(
-                    engine=None, session=session, by=cast(User, request.user)
-                )
+                async_to_sync(delete_dialog)(engine=None, session=session, by=admin_actor(request))
             except ChatError as exc:
                 self._report_failure(request, session, exc)
                 continue
@@ -348,7 +380,7 @@ class SessionAdmin(admin.ModelAdmin):
         done = 0
         for session in queryset.filter(deleted_at__isnull=False):
             try:
-                services.session_restore(session=session)
+                services.session_restore(session=session, actor=admin_actor(request))
             except ChatError as exc:
                 # A7: a live dialog has taken the id; the operator resolves it by hand.
                 self._report_failure(request, session, exc)
@@ -383,7 +415,7 @@ class SessionAdmin(admin.ModelAdmin):
         done = 0
         for session in queryset:
             try:
-                services.session_purge(session=session)
+                services.session_purge(session=session, actor=admin_actor(request))
             except ChatError as exc:
                 self._report_failure(request, session, exc)
                 continue

@@ -9,6 +9,7 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
+from audit.trail import Actor
 from sessions_app.models import ChannelAccount, ChannelChat
 
 from . import store
@@ -45,7 +46,12 @@ class ChannelAccountAdmin(admin.ModelAdmin):
     def save_model(
         self, request: HttpRequest, obj: ChannelAccount, form: Any, change: bool
     ) -> None:
-        store.account_link(account=obj, user=obj.user, writable=obj.writable)
+        store.account_link(
+            account=obj,
+            user=obj.user,
+            writable=obj.writable,
+            actor=Actor.of_request(request, via="admin"),
+        )
 
 
 @admin.register(ChannelChat)

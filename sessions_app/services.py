@@ -175,17 +175,15 @@ def session_rename(
 
     def write() -> None:
         with transaction.atomic():
-            updated = Session.objects.filter(pk=session.pk, deleted_at__isnull=True).update(
+            live = Session.objects.filter(pk=session.pk, deleted_at__isnull=True)
+            old = live.values_list("title", flat=True).first()  # H5: as stored, not as passed
+            updated = live.update(
                 title=clean, title_source=source, state_version=F("state_version") + 1
             )
             if not updated:
                 raise NotFound(_("Dialog not found."))
             audit_dialog(
-                actor=actor,
-                action=Action.DIALOG_RENAME,
-                session=session,
-                old=session.title,
-                new=clean,
+                actor=actor, action=Action.DIALOG_RENAME, session=session, old=old, new=clean
             )
 
     storage_retry(write, what="session_rename", session=session)

@@ -25,7 +25,7 @@ class AuditEventAdmin(admin.ModelAdmin):
     fields = (
         "at",
         "actor",
-        "actor_user_id",
+        "actor_user_display",
         "action",
         "target_type",
         "target_id",
@@ -45,6 +45,11 @@ class AuditEventAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    @admin.display(description=_("actor's user"))
+    def actor_user_display(self, obj: AuditEvent) -> str:
+        # The id only: the user may be gone, the record stays as it was.
+        return str(obj.actor_user_id) if obj.actor_user_id is not None else "-"
 
     @admin.display(description=_("details"))
     def short_details(self, obj: AuditEvent) -> str:

@@ -21,9 +21,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
-from django.template.defaultfilters import linebreaksbr
 from django.template.response import TemplateResponse
-from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -33,6 +31,7 @@ from chatcore.engine.dialogs import delete_dialog
 
 from .. import services
 from ..models import Message, Session, TitleSource, Turn
+from .display import message_preview
 from .history import AuditHistoryMixin, admin_actor
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
@@ -94,8 +93,9 @@ class MessageInline(admin.TabularInline):
 
     @admin.display(description=_("content"))
     def content_preview(self, obj: Message) -> str:
-        # Long answers are cut here; the message's own page shows all of it.
-        return linebreaksbr(Truncator(obj.content).chars(INLINE_CONTENT_CHARS), autoescape=True)
+        # Long answers are cut here; the message's own page shows all of it. An answer that
+        # only calls tools shows its calls (H5 polish).
+        return message_preview(obj, INLINE_CONTENT_CHARS)
 
 
 class SessionAdminForm(forms.ModelForm):

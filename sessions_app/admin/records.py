@@ -11,6 +11,7 @@ from django.utils.text import Truncator
 from django.utils.translation import gettext_lazy as _
 
 from ..models import MemoryNote, Message, Turn
+from .display import message_preview
 
 LIST_CONTENT_CHARS = 80
 
@@ -41,7 +42,7 @@ class MessageAdmin(ReadOnlyAdmin):
 
     @admin.display(description=_("content"))
     def short_content(self, obj: Message) -> str:
-        return Truncator(obj.content).chars(LIST_CONTENT_CHARS)
+        return message_preview(obj, LIST_CONTENT_CHARS)
 
 
 @admin.register(Turn)

@@ -26,6 +26,7 @@ class Action(models.TextChoices):
     DIALOG_PURGE = "dialog.purge", _("dialog purged")
     DIALOG_IMPORT = "dialog.import", _("dialog imported")
     DIALOG_SETTINGS = "dialog.settings", _("dialog settings changed")
+    DIALOG_COMPACT = "dialog.compact", _("dialog compaction started")
     SHARE_CREATE = "share.create", _("share link made")
     SHARE_REVOKE = "share.revoke", _("share link revoked")
     FILE_DELETE = "file.delete", _("file deleted")
@@ -34,6 +35,7 @@ class Action(models.TextChoices):
     CHAT_ACCOUNT_LINK = "chat_account.link", _("chat account linked")
     CHAT_ACCOUNT_UNLINK = "chat_account.unlink", _("chat account unlinked")
     USER_CHANGE = "user.change", _("user changed")
+    MEMORY_NOTE_CHANGE = "memory_note.change", _("memory note changed")
     ADMIN_VIEW_DIALOG = "admin.view_dialog", _("operator opened a dialog")
 
 
@@ -44,6 +46,7 @@ class TargetType(models.TextChoices):
     TOKEN = "token", _("API token")
     CHAT_ACCOUNT = "chat_account", _("chat account")
     USER = "user", _("user")
+    MEMORY_NOTE = "memory_note", _("memory note")
 
 
 class AppendOnly(Exception):

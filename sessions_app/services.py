@@ -212,16 +212,23 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
     return session
 
 
-def title_reset(*, session: Session) -> Session:
+def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     """Put the default title back (an operator's "regenerate title"), so the title job may
     replace it."""
+    new = session.default_title
 
     def write() -> None:
-        Session.objects.filter(pk=session.pk).update(
-            title=session.default_title,
-            title_source=TitleSource.DEFAULT,
-            state_version=F("state_version") + 1,
-        )
+        with transaction.atomic():
+            Session.objects.filter(pk=session.pk).update(
+                title=new, title_source=TitleSource.DEFAULT, state_version=F("state_version") + 1
+            )
+            audit_dialog(
+                actor=actor,
+                action=Action.DIALOG_RENAME,
+                session=session,
+                old=session.title,
+                new=new,
+            )
 
     storage_retry(write, what="title_reset", session=session)
     session.refresh_from_db()

@@ -23,7 +23,7 @@ from audit.models import Action, AppendOnly, AuditEvent, TargetType
 from audit.trail import Actor, audit_purge_expired, client_ip
 from sessions_app import services
 from sessions_app.chatapps import store
-from sessions_app.models import ApiToken, ChannelAccount, Session
+from sessions_app.models import ApiToken, ChannelAccount, MemoryNote, Session
 from tests.test_admin import NO_INLINE_FORMS, form_inputs
 
 pytestmark = [pytest.mark.django_db, pytest.mark.both_dbs]
@@ -143,6 +143,66 @@ def test_an_operator_opening_another_user_s_dialog_is_recorded(
     assert history in page.content.decode()
     listed = client.get(f"{AUDIT}?target_type=dialog&target_id={theirs.pk}")
     assert list(listed.context["cl"].result_list) == [view]
+
+
+def test_admin_regenerate_title_and_compact_are_recorded(
+    client: Client, operator: Any, user: Any
+) -> None:
+    # covers: H5, B4, B5
+    s = dialog(user, "d3", "Named")
+    action(client, SESSIONS, "regenerate_title_selected", s.pk)
+    reset = only(Action.DIALOG_RENAME)
+    assert_by_operator(reset, operator, ("dialog", s.pk))
+    assert (reset.details["old"], reset.details["new"]) == ("Named", "Dialog d3")
+    action(client, SESSIONS, "compact_selected", s.pk)
+    assert_by_operator(only(Action.DIALOG_COMPACT), operator, ("dialog", s.pk))
+
+
+def test_an_operator_opening_another_user_s_message_or_turn_is_recorded(
+    client: Client, operator: Any, user: Any
+) -> None:
+    # covers: H5
+    s = dialog(user, "m")
+    appended = services.messages_append(
+        session_pk=s.pk,
+        messages=[services.NewMessage(role="user", content="secret", kind="user_input")],
+    )
+    (message,) = appended.messages
+    url = reverse("admin:sessions_app_message_change", args=[message.pk])
+    assert client.get(url).status_code == 200
+    view = only(Action.ADMIN_VIEW_DIALOG)
+    assert_by_operator(view, operator, ("dialog", s.pk))
+    assert view.details["message_seq"] == message.seq
+    # The list is not recorded; a page that is not shown (404) is not either.
+    assert client.get(reverse("admin:sessions_app_message_changelist")).status_code == 200
+    missing = reverse("admin:sessions_app_message_change", args=["0" * 32])
+    assert client.get(missing).status_code in (302, 404)
+    assert AuditEvent.objects.count() == 1
+
+
+def test_an_operator_s_changes_of_memory_notes_are_recorded(
+    client: Client, operator: Any, user: Any
+) -> None:
+    # covers: H5, C8
+    add = reverse("admin:sessions_app_memorynote_add")
+    assert client.post(add, {"owner": user.pk, "content": "likes tea"}).status_code == 302
+    note = MemoryNote.objects.get()
+    change = reverse("admin:sessions_app_memorynote_change", args=[note.pk])
+    assert client.post(change, {"owner": user.pk, "content": "likes coffee"}).status_code == 302
+    delete = reverse("admin:sessions_app_memorynote_delete", args=[note.pk])
+    assert client.post(delete, {"post": "yes"}).status_code == 302
+    records = list(AuditEvent.objects.order_by("id"))
+    assert [r.details["op"] for r in records] == ["add", "change", "delete"]
+    for record in records:
+        assert record.action == Action.MEMORY_NOTE_CHANGE
+        assert_by_operator(record, operator, ("memory_note", str(note.pk)))
+        assert record.details["owner"] == "alice"
+    # The bulk delete too, one record per note.
+    notes = [MemoryNote.objects.create(owner=user, content=f"n{i}") for i in range(2)]
+    changelist = reverse("admin:sessions_app_memorynote_changelist")
+    action(client, changelist, "delete_selected", *[n.pk for n in notes], post="yes")
+    assert not MemoryNote.objects.exists()
+    assert AuditEvent.objects.filter(details__op="delete").count() == 3
 
 
 # --- Tokens, chat accounts, users ---------------------------------------------------------

@@ -32,7 +32,7 @@ from chatcore.engine.dialogs import delete_dialog
 from .. import services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
-from .history import AuditHistoryMixin, admin_actor
+from .history import AuditHistoryMixin, ViewRecordedMixin, admin_actor
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -112,7 +112,7 @@ class SessionAdminForm(forms.ModelForm):
 
 
 @admin.register(Session)
-class SessionAdmin(AuditHistoryMixin, admin.ModelAdmin):
+class SessionAdmin(ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin):
     form = SessionAdminForm
     audit_target_type = "dialog"
     inlines = (MessageInline,)
@@ -274,33 +274,11 @@ class SessionAdmin(AuditHistoryMixin, admin.ModelAdmin):
         for session in queryset:
             services.session_purge(session=session, actor=admin_actor(request))
 
-    def change_view(
-        self,
-        request: HttpRequest,
-        object_id: str,
-        form_url: str = "",
-        extra_context: dict[str, Any] | None = None,
-    ) -> HttpResponse:
-        # H5: an operator reading another user's conversation is recorded (once per page
-        # shown, with the page of messages), in the transaction that reads it.
-        with transaction.atomic():
-            response = super().change_view(request, object_id, form_url, extra_context)
-            original = getattr(response, "context_data", None) or {}
-            session = original.get("original")
-            if (
-                request.method == "GET"
-                and response.status_code == 200
-                and isinstance(session, Session)
-                and session.owner_id != request.user.pk
-            ):
-                page = request.GET.get(MESSAGE_PAGE_PARAM) or "1"
-                audit_dialog(
-                    actor=admin_actor(request),
-                    action=Action.ADMIN_VIEW_DIALOG,
-                    session=session,
-                    messages_page=page,
-                )
-        return response
+    def viewed_dialog(self, obj: Session) -> Session:
+        return obj
+
+    def view_details(self, request: HttpRequest, obj: Session) -> dict[str, Any]:
+        return {"messages_page": request.GET.get(MESSAGE_PAGE_PARAM) or "1"}
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         # Purging cascades in the database (A7). Listing every message would make the page
@@ -341,7 +319,7 @@ class SessionAdmin(AuditHistoryMixin, admin.ModelAdmin):
 
         done = 0
         for session in queryset.filter(deleted_at__isnull=True):
-            services.title_reset(session=session)
+            services.title_reset(session=session, actor=admin_actor(request))
             background.request_title(session_pk=session.pk)
             done += 1
         self.message_user(
@@ -362,6 +340,10 @@ class SessionAdmin(AuditHistoryMixin, admin.ModelAdmin):
 
         done = 0
         for session in queryset.filter(deleted_at__isnull=True):
+            with transaction.atomic():  # H5: the operator's request is recorded
+                audit_dialog(
+                    actor=admin_actor(request), action=Action.DIALOG_COMPACT, session=session
+                )
             background.request_compaction(session_pk=session.pk, manual=True)
             done += 1
         self.message_user(

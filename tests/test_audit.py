@@ -325,6 +325,23 @@ def test_retention_purges_only_older_records(user: Any) -> None:
     assert AuditEvent.objects.count() == 2
 
 
+def test_the_scheduled_purge_also_purges_old_audit_records(user: Any) -> None:
+    # covers: H5 (scaled mode: the beat's purge task; embedded: the engine's sweep)
+    from sessions_app.tasks import purge_deleted_sessions
+
+    old = timezone.now() - timedelta(days=366)
+    for when, target in ((old, "old"), (timezone.now(), "new")):
+        AuditEvent.objects.create(
+            at=when,
+            actor="system",
+            action=Action.DIALOG_PURGE,
+            target_type=TargetType.DIALOG,
+            target_id=target,
+        )
+    purge_deleted_sessions()
+    assert list(AuditEvent.objects.values_list("target_id", flat=True)) == ["new"]
+
+
 def _chat() -> dict[str, Any]:
     from django.conf import settings
 

@@ -52,7 +52,8 @@ class ViewRecordedMixin(admin.ModelAdmin):
     (`admin.view_dialog`, once per page shown), in the transaction that reads it."""
 
     def viewed_dialog(self, obj: Any) -> Session | None:
-        raise NotImplementedError
+        """The dialog whose conversation the page shows (None: nothing to record)."""
+        return None
 
     def view_details(self, request: HttpRequest, obj: Any) -> dict[str, Any]:
         return {}

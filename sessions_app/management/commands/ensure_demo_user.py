@@ -13,6 +13,8 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
+from audit.trail import USER_FLAGS, Actor, audit_user_change
+
 DEMO_USERNAME = "demo"
 
 
@@ -48,11 +50,16 @@ class Command(BaseCommand):
                 )
                 state = "created"
             elif options["reset"]:
+                before = {flag: getattr(user, flag) for flag in USER_FLAGS}
                 user.set_password(password)
                 user.is_active = True
                 user.is_staff = True
                 user.is_superuser = True
                 user.save()
+                # H5: flags a command set back are recorded, as `system`.
+                audit_user_change(
+                    actor=Actor.system(via="manage.py ensure_demo_user"), user=user, before=before
+                )
                 state = "reset"
             else:
                 state = "exists"

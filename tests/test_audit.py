@@ -268,6 +268,8 @@ def test_admin_chat_account_link_and_unlink_are_recorded(
     assert_by_operator(unlink, operator, ("chat_account", str(account.pk)))
     assert unlink.details["previous_user"] == "carol" and unlink.details["user"] is None
     assert ChannelAccount.objects.get().user_id is None
+    page = client.get(url)
+    assert f"target_type=chat_account&amp;target_id={account.pk}" in page.content.decode()
 
 
 def test_admin_user_staff_and_active_changes_are_recorded(

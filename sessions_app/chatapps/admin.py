@@ -12,11 +12,13 @@ from django.http import HttpRequest
 from audit.trail import Actor
 from sessions_app.models import ChannelAccount, ChannelChat
 
+from ..admin.history import AuditHistoryMixin
 from . import store
 
 
 @admin.register(ChannelAccount)
-class ChannelAccountAdmin(admin.ModelAdmin):
+class ChannelAccountAdmin(AuditHistoryMixin, admin.ModelAdmin):
+    audit_target_type = "chat_account"
     list_display = ("channel", "external_id", "display_name", "user", "writable", "last_seen_at")
     list_filter = ("channel", "writable")
     search_fields = ("external_id", "display_name", "user__username")

@@ -20,13 +20,12 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from audit.trail import Action, Actor, audit_dialog, audit_token
+from audit.trail import Action, Actor, audit_dialog
 from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from .models import (
-    ApiToken,
     Message,
     MessageKind,
     Role,
@@ -42,6 +41,8 @@ from .rows import insert as rows_insert
 from .rows import merged as rows_merged
 from .rows import update as rows_update
 from .storage import storage_retry
+from .token_services import api_token_issue as api_token_issue
+from .token_services import api_token_revoke as api_token_revoke
 
 logger = logging.getLogger(__name__)
 
@@ -551,35 +552,6 @@ def messages_clear(*, session: Session) -> int:
     count = storage_retry(write, what="messages_clear", session=session)
     session.refresh_from_db()
     return count
-
-
-# --- API tokens ---------------------------------------------------------------------------
-
-
-def api_token_issue(
-    *, user: User, name: str = "", actor: Actor | None = None
-) -> tuple[ApiToken, str]:
-    """Create a token; the plain key is returned once and only its hash is stored (F2)."""
-    from .auth import hash_token
-
-    raw = "cc_" + secrets.token_urlsafe(32)
-    with transaction.atomic():
-        token = ApiToken.objects.create(
-            user=user, name=name, prefix=raw[:10], key_hash=hash_token(raw)
-        )
-        audit_token(actor=actor, action=Action.TOKEN_ISSUE, token=token)
-    return token, raw
-
-
-def api_token_revoke(*, token: ApiToken, actor: Actor | None = None) -> None:
-    """F2, F8: the token stops working, and its open sockets and streams end (on commit)."""
-    from .logins import end_logins
-
-    with transaction.atomic():
-        now = timezone.now()
-        if ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now):
-            audit_token(actor=actor, action=Action.TOKEN_REVOKE, token=token)
-        end_logins(token_ids=[token.pk])
 
 
 def validate_dialog_id(value: object) -> str:

@@ -35,6 +35,7 @@ class Action(models.TextChoices):
     CHAT_ACCOUNT_LINK = "chat_account.link", _("chat account linked")
     CHAT_ACCOUNT_UNLINK = "chat_account.unlink", _("chat account unlinked")
     USER_CHANGE = "user.change", _("user changed")
+    USER_DELETE = "user.delete", _("user deleted")
     MEMORY_NOTE_CHANGE = "memory_note.change", _("memory note changed")
     ADMIN_VIEW_DIALOG = "admin.view_dialog", _("operator opened a dialog")
 

@@ -308,6 +308,25 @@ def test_ensure_demo_user_reset_of_flags_is_recorded_as_system(make_user: Any) -
     assert AuditEvent.objects.filter(action=Action.USER_CHANGE).count() == 1
 
 
+def test_admin_user_deletion_is_recorded(client: Client, operator: Any, make_user: Any) -> None:
+    # covers: H5
+    gone, kept = make_user("gone"), make_user("kept")
+    dialog(kept, "a")
+    # A user with dialogs cannot be deleted here (their messages are read-only): no record.
+    assert (
+        client.post(reverse("admin:auth_user_delete", args=[kept.pk]), {"post": "yes"}).status_code
+        == 403
+    )
+    url = reverse("admin:auth_user_delete", args=[gone.pk])
+    assert client.post(url, {"post": "yes"}).status_code == 302
+    deleted = only(Action.USER_DELETE)
+    assert_by_operator(deleted, operator, ("user", str(gone.pk)))
+    assert deleted.details["user"] == "gone"
+    # The record outlives the user it names.
+    assert deleted.actor_user_id == operator.pk
+    assert AuditEvent.objects.count() == 1
+
+
 # --- The sweep and retention --------------------------------------------------------------
 
 

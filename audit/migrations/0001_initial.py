@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,23 +15,86 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(primary_key=True, serialize=False)),
-                ('at', models.DateTimeField(db_index=True, default=django.utils.timezone.now, verbose_name='time')),
-                ('actor', models.CharField(max_length=150, verbose_name='actor')),
-                ('action', models.CharField(choices=[('dialog.rename', 'dialog renamed'), ('dialog.delete', 'dialog deleted'), ('dialog.restore', 'dialog restored'), ('dialog.purge', 'dialog purged'), ('dialog.import', 'dialog imported'), ('dialog.settings', 'dialog settings changed'), ('dialog.compact', 'dialog compaction started'), ('share.create', 'share link made'), ('share.revoke', 'share link revoked'), ('file.delete', 'file deleted'), ('token.issue', 'API token issued'), ('token.revoke', 'API token revoked'), ('chat_account.link', 'chat account linked'), ('chat_account.unlink', 'chat account unlinked'), ('user.change', 'user changed'), ('memory_note.change', 'memory note changed'), ('admin.view_dialog', 'operator opened a dialog')], max_length=32, verbose_name='action')),
-                ('target_type', models.CharField(choices=[('dialog', 'dialog'), ('share', 'share link'), ('file', 'file'), ('token', 'API token'), ('chat_account', 'chat account'), ('user', 'user'), ('memory_note', 'memory note')], max_length=16, verbose_name='target type')),
-                ('target_id', models.CharField(max_length=64, verbose_name='target id')),
-                ('details', models.JSONField(blank=True, default=dict, verbose_name='details')),
-                ('ip', models.GenericIPAddressField(blank=True, null=True, verbose_name='IP address')),
-                ('actor_user', models.ForeignKey(blank=True, db_constraint=False, null=True, on_delete=django.db.models.deletion.DO_NOTHING, related_name='+', to=settings.AUTH_USER_MODEL, verbose_name="actor's user")),
+                ("id", models.BigAutoField(primary_key=True, serialize=False)),
+                (
+                    "at",
+                    models.DateTimeField(
+                        db_index=True, default=django.utils.timezone.now, verbose_name="time"
+                    ),
+                ),
+                ("actor", models.CharField(max_length=150, verbose_name="actor")),
+                (
+                    "action",
+                    models.CharField(
+                        choices=[
+                            ("dialog.rename", "dialog renamed"),
+                            ("dialog.delete", "dialog deleted"),
+                            ("dialog.restore", "dialog restored"),
+                            ("dialog.purge", "dialog purged"),
+                            ("dialog.import", "dialog imported"),
+                            ("dialog.settings", "dialog settings changed"),
+                            ("dialog.compact", "dialog compaction started"),
+                            ("share.create", "share link made"),
+                            ("share.revoke", "share link revoked"),
+                            ("file.delete", "file deleted"),
+                            ("token.issue", "API token issued"),
+                            ("token.revoke", "API token revoked"),
+                            ("chat_account.link", "chat account linked"),
+                            ("chat_account.unlink", "chat account unlinked"),
+                            ("user.change", "user changed"),
+                            ("user.delete", "user deleted"),
+                            ("memory_note.change", "memory note changed"),
+                            ("admin.view_dialog", "operator opened a dialog"),
+                        ],
+                        max_length=32,
+                        verbose_name="action",
+                    ),
+                ),
+                (
+                    "target_type",
+                    models.CharField(
+                        choices=[
+                            ("dialog", "dialog"),
+                            ("share", "share link"),
+                            ("file", "file"),
+                            ("token", "API token"),
+                            ("chat_account", "chat account"),
+                            ("user", "user"),
+                            ("memory_note", "memory note"),
+                        ],
+                        max_length=16,
+                        verbose_name="target type",
+                    ),
+                ),
+                ("target_id", models.CharField(max_length=64, verbose_name="target id")),
+                ("details", models.JSONField(blank=True, default=dict, verbose_name="details")),
+                (
+                    "ip",
+                    models.GenericIPAddressField(blank=True, null=True, verbose_name="IP address"),
+                ),
+                (
+                    "actor_user",
+                    models.ForeignKey(
+                        blank=True,
+                        db_constraint=False,
+                        null=True,
+                        on_delete=django.db.models.deletion.DO_NOTHING,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                        verbose_name="actor's user",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'audit event',
-                'verbose_name_plural': 'audit events',
-                'ordering': ['-at', '-id'],
-                'indexes': [models.Index(fields=['target_type', 'target_id'], name='idx_audit_target'), models.Index(fields=['action', 'at'], name='idx_audit_action')],
+                "verbose_name": "audit event",
+                "verbose_name_plural": "audit events",
+                "ordering": ["-at", "-id"],
+                "indexes": [
+                    models.Index(fields=["target_type", "target_id"], name="idx_audit_target"),
+                    models.Index(fields=["action", "at"], name="idx_audit_action"),
+                ],
             },
         ),
     ]

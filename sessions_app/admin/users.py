@@ -1,6 +1,7 @@
 """Users in the admin (H5): Django's own user admin, with an operator's change of a user's
-active, staff or superuser flag recorded in the transaction that saves it, and the link to
-the user's audit trail."""
+active, staff or superuser flag, and a user's deletion, recorded in the transaction that
+makes it, and the link to the user's audit trail. (A user with dialogs cannot be deleted
+here: their messages are read-only in the admin.)"""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Any
 from django.contrib import admin
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
+from django.db import transaction
+from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from audit.trail import USER_FLAGS, audit_user_change
+from audit.trail import USER_FLAGS, Action, Actor, TargetType, audit_record, audit_user_change
 
 from .history import AuditHistoryMixin, admin_actor
 
@@ -30,6 +33,26 @@ class AuditedUserAdmin(AuditHistoryMixin, UserAdmin):
         super().save_model(request, obj, form, change)
         if change:
             audit_user_change(actor=admin_actor(request), user=obj, before=before)
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        _audit_delete(admin_actor(request), obj)  # the delete view is one transaction
+        super().delete_model(request, obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        with transaction.atomic():
+            for user in queryset:
+                _audit_delete(admin_actor(request), user)
+            super().delete_queryset(request, queryset)
+
+
+def _audit_delete(actor: Actor, user: Any) -> None:
+    audit_record(
+        actor=actor,
+        action=Action.USER_DELETE,
+        target_type=TargetType.USER,
+        target_id=str(user.pk),
+        details={"user": user.get_username(), "email": user.email},
+    )
 
 
 if admin.site.is_registered(User):

@@ -279,6 +279,11 @@ def test_admin_user_staff_and_active_changes_are_recorded(
     url = reverse("admin:auth_user_change", args=[user.pk])
     page = client.get(url)
     assert f"target_type=user&amp;target_id={user.pk}" in page.content.decode()
+    # ... and the actions the user made.
+    services.session_rename(session=dialog(user, "u"), title="Mine", actor=Actor.of_user(user))
+    by_user = client.get(f"{AUDIT}?actor_user__id__exact={user.pk}")
+    assert [r.action for r in by_user.context["cl"].result_list] == [Action.DIALOG_RENAME]
+    assert f"{AUDIT}?actor_user__id__exact={user.pk}" in page.content.decode()
     form = form_inputs(page)
     # Unchanged flags (active, not staff): nothing to record.
     assert client.post(url, {**form, "is_active": "on"}).status_code == 302

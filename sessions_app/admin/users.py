@@ -6,13 +6,16 @@ here: their messages are read-only in the admin.)"""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import admin
+from django.contrib.admin.utils import unquote
 from django.contrib.auth import get_user_model
 from django.contrib.auth.admin import UserAdmin
 from django.db import transaction
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 
 from audit.trail import USER_FLAGS, Action, Actor, TargetType, audit_record, audit_user_change
 
@@ -23,6 +26,21 @@ User = get_user_model()
 
 class AuditedUserAdmin(AuditHistoryMixin, UserAdmin):
     audit_target_type = "user"
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # Besides what was done to the user, what the user did (by the actor's id, which
+        # outlives a rename).
+        context = dict(extra_context or {})
+        if request.user.has_perm("audit.view_auditevent"):
+            query = urlencode({"actor_user__id__exact": unquote(object_id)})
+            context["audit_actor_url"] = f"{reverse('admin:audit_auditevent_changelist')}?{query}"
+        return super().change_view(request, object_id, form_url, context)
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         # The change view runs in one transaction: the save and its record commit together.

@@ -4,15 +4,20 @@ record naming who did it and the dialog; a refused one leaves none."""
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import transaction
 from django.test import override_settings
+from django.utils import timezone
 
 from audit.models import AuditEvent
 from audit.trail import Action, Actor, TargetType, audit_record
+from sessions_app import services
 from sessions_app.models import ChannelAccount, Session
 from tests.ws_helpers import bearer, open_ws
 
@@ -154,3 +159,43 @@ def test_a_record_is_written_only_inside_the_change_s_transaction(user: Any) -> 
             target_id="x",
         )
     assert AuditEvent.objects.filter(target_id="x").count() == 1
+
+
+async def test_the_embedded_sweep_purges_as_system_and_drops_old_records(
+    make_engine: Any, user: Any
+) -> None:
+    # covers: H5, A7 (embedded mode: the engine's sweep does both purges)
+    def setup() -> Session:
+        old = services.session_create(
+            owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="old"
+        )
+        services.session_soft_delete(session=old, actor=Actor.of_user(user))
+        Session.objects.filter(pk=old.pk).update(deleted_at=timezone.now() - timedelta(days=40))
+        with transaction.atomic():
+            audit_record(
+                actor=Actor.system(),
+                action=Action.TOKEN_ISSUE,
+                target_type=TargetType.TOKEN,
+                target_id="recent",
+            )
+        return old
+
+    old = await sync_to_async(setup)()
+    # A record past retention: inserted with its old date, as records are never updated.
+    await sync_to_async(AuditEvent.objects.create)(
+        at=timezone.now() - timedelta(days=400),
+        actor="system",
+        action=Action.DIALOG_PURGE,
+        target_type=TargetType.DIALOG,
+        target_id="ancient",
+    )
+    chat = {**settings.CHAT, "LEASE_SECONDS": 3, "CLEANUP_INTERVAL_SECONDS": 0}
+    with override_settings(CHAT=chat):
+        await make_engine()
+        for _ in range(200):
+            if not await sync_to_async(AuditEvent.objects.filter(target_id="ancient").exists)():
+                break
+            await asyncio.sleep(0.05)
+    (purge,) = await records(Action.DIALOG_PURGE)
+    assert (purge.target_id, purge.actor, purge.details["via"]) == (old.pk, "system", "sweep")
+    assert len(await records(Action.TOKEN_ISSUE)) == 1  # a recent record stays

@@ -35,6 +35,7 @@ from django.utils import timezone
 from .models import SYSTEM, Action, AuditEvent, TargetType
 
 __all__ = [
+    "USER_FLAGS",
     "Action",
     "Actor",
     "TargetType",
@@ -45,6 +46,7 @@ __all__ = [
     "audit_token",
     "audit_user_change",
     "client_ip",
+    "dialog_details",
     "scope_ip",
 ]
 
@@ -143,6 +145,7 @@ def audit_token(*, actor: Actor | None, action: Action, token: Any) -> AuditEven
 
 
 def audit_dialog(*, actor: Actor | None, action: Action, session: Any, **extra: Any) -> AuditEvent:
+    """A dialog's record; `extra` goes into the details (old and new title, a page, ...)."""
     return audit_record(
         actor=actor or Actor.system(),
         action=action,

@@ -154,7 +154,9 @@ class Message(models.Model):
         ordering = ["seq"]
 
     def __str__(self) -> str:
-        return f"#{self.seq} {self.role}: {self.content[:40]}"
+        # An answer that only calls tools is named by its calls (the admin's row titles).
+        calls = [str((c.get("function") or {}).get("name", "?")) for c in self.tool_calls or []]
+        return f"#{self.seq} {self.role}: {self.content[:40] or ', '.join(calls)}"
 
     @property
     def kind(self) -> str:

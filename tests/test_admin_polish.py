@@ -65,6 +65,8 @@ def test_an_answer_that_only_calls_tools_shows_its_calls(client: Client, user: A
     assert "remember({&quot;note&quot;: &quot;&lt;b&gt;x&lt;/b&gt;&quot;})" in body
     listing = client.get(reverse("admin:sessions_app_message_changelist"))
     assert "web_search(" in listing.content.decode()
+    # The row's title names the calls too.
+    assert "#2 assistant: web_search, remember" in body
 
 
 def test_message_count_says_it_counts_user_messages(client: Client, user: Any) -> None:

@@ -278,6 +278,9 @@ CHAT: dict[str, Any] = {
     "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
     "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
     "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
+    # F3: one answer's text and tool call bytes; past it the turn fails `too_large`, keeping
+    # what arrived up to it.
+    "ANSWER_MAX_BYTES": _env_int("CHAT_ANSWER_MAX_BYTES", 2 * 1024 * 1024),
     # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
     # paths of functions taking the engine, which spawn supervised tasks on it.
     "ENGINE_SERVICES": [],
@@ -334,6 +337,12 @@ LLM: dict[str, Any] = {
     # small keep-alive pool, and a short wait for a pooled connection.
     "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
     "POOL_TIMEOUT": 5.0,
+    # F3, I3: how much of a model server's answer is read: one server-sent event line, the
+    # decompressed stream (bytes, and ratio to what arrived), the start of an error body.
+    "MAX_EVENT_BYTES": _env_int("LLM_MAX_EVENT_BYTES", 1024 * 1024),
+    "MAX_DECODED_BYTES": _env_int("LLM_MAX_DECODED_BYTES", 64 * 1024 * 1024),
+    "MAX_DECODE_RATIO": _env_int("LLM_MAX_DECODE_RATIO", 200),
+    "MAX_ERROR_BODY_BYTES": _env_int("LLM_MAX_ERROR_BODY_BYTES", 64 * 1024),
 }
 
 LOGGING = {

@@ -303,6 +303,8 @@ CHATAPPS: dict[str, dict[str, Any]] = {
         "ENCRYPT_KEY": os.environ.get("FEISHU_ENCRYPT_KEY", "").strip(),
         "API_BASE": os.environ.get("FEISHU_API_BASE", "https://open.feishu.cn").rstrip("/"),
         "EDIT_INTERVAL_SECONDS": 1.0,
+        # A signed callback older (or newer) than this is refused: a replay (Feishu's advice).
+        "MAX_REQUEST_AGE_SECONDS": _env_int("FEISHU_MAX_REQUEST_AGE_SECONDS", 300),
     },
 }
 if CHATAPPS["telegram"]["BOT_TOKEN"]:

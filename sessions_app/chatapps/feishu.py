@@ -43,6 +43,7 @@ from .base import (
     handle_incoming,
     settle_event,
 )
+from .events import Malformed, feishu_envelope, load_json
 from .render import feishu_markdown
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ CHANNEL = "feishu"
 MESSAGE_LIMIT = 8000
 _RATE_LIMITED = {99991400}
 _NOT_FOUND = {230002, 230011, 231003}
+# How old a signed callback may be (seconds) unless FEISHU_MAX_REQUEST_AGE_SECONDS says.
+MAX_REQUEST_AGE = 300
 # tenant_access_token per (API base, app id): (token, monotonic expiry).
 _tokens: dict[tuple[str, str], tuple[str, float]] = {}
 
@@ -186,13 +189,16 @@ class FeishuSink(StreamingSink):
 
 
 def open_callback(body: bytes, headers: dict[str, str]) -> dict[str, Any]:
-    """Check and decrypt a callback body. Raises `CallbackRefused`; changes nothing."""
+    """Check and decrypt a callback body. Raises `CallbackRefused`; changes nothing. The
+    signature and token are compared as bytes (whatever characters a forger sends), a
+    signed request older than FEISHU `MAX_REQUEST_AGE_SECONDS` is refused (a replay), and
+    the fields the checks read are checked first (`events`)."""
     cfg = config()
     key = cfg["ENCRYPT_KEY"]
     try:
-        outer = json.loads(body)
-    except ValueError as exc:
-        raise CallbackRefused("the body is not JSON", status=400) from exc
+        outer = load_json(body)
+    except Malformed as exc:
+        raise CallbackRefused(str(exc), status=400) from exc
     if not isinstance(outer, dict):
         raise CallbackRefused("the body is not a JSON object", status=400)
     signature = headers.get("x-lark-signature")
@@ -200,33 +206,44 @@ def open_callback(body: bytes, headers: dict[str, str]) -> dict[str, Any]:
         timestamp = headers.get("x-lark-request-timestamp", "")
         nonce = headers.get("x-lark-request-nonce", "")
         expected = hashlib.sha256((timestamp + nonce + key).encode() + body).hexdigest()
-        if not hmac.compare_digest(signature, expected):
+        if not hmac.compare_digest(signature.encode(), expected.encode()):
             raise CallbackRefused("signature check failed")
+        if not _fresh(timestamp, cfg.get("MAX_REQUEST_AGE_SECONDS", MAX_REQUEST_AGE)):
+            raise CallbackRefused("the request is too old (X-Lark-Request-Timestamp)")
     if "encrypt" in outer:
         if not key:
             raise CallbackRefused("encrypted callback but FEISHU_ENCRYPT_KEY is not set")
         from lark_oapi.core.utils import AESCipher
 
         try:
-            data = json.loads(AESCipher(key).decrypt_str(str(outer["encrypt"])))
+            data = load_json(AESCipher(key).decrypt_str(str(outer["encrypt"])).encode())
         except Exception as exc:
             raise CallbackRefused("the body could not be decrypted", status=400) from exc
     else:
         data = outer
-    if not isinstance(data, dict):
-        raise CallbackRefused("the event is not a JSON object", status=400)
-    if key and signature is None and data.get("type") != "url_verification":
+    try:
+        envelope = feishu_envelope(data)
+    except Malformed as exc:
+        raise CallbackRefused(str(exc), status=400) from exc
+    if key and signature is None and envelope.get("type") != "url_verification":
         # Feishu signs every event when an encrypt key is set; only the URL verification
         # of the app's configuration page comes without the headers.
         raise CallbackRefused("signature missing")
-    token = data.get("token") if "token" in data else (data.get("header") or {}).get("token")
+    token = envelope.get("token") if "token" in data else envelope.get("header", {}).get("token")
     expected_token = cfg["VERIFICATION_TOKEN"]
     if expected_token:
-        if not isinstance(token, str) or not hmac.compare_digest(token, expected_token):
+        if token is None or not hmac.compare_digest(token.encode(), expected_token.encode()):
             raise CallbackRefused("verification token mismatch")
     elif not key:
         raise CallbackRefused("set FEISHU_VERIFICATION_TOKEN or FEISHU_ENCRYPT_KEY")
     return data
+
+
+def _fresh(timestamp: str, max_age: int) -> bool:
+    """Whether a request's `X-Lark-Request-Timestamp` (seconds) is within `max_age` of now."""
+    if not timestamp.isascii() or not timestamp.isdigit() or len(timestamp) > 12:
+        return False
+    return abs(time.time() - int(timestamp)) <= max_age
 
 
 class FeishuAdapter(Adapter):
@@ -288,6 +305,7 @@ class FeishuAdapter(Adapter):
         )
 
     async def handle_event(self, event: dict[str, Any]) -> str:
+        """One checked event (`events.feishu_event`), exactly once by its event_id."""
         header = event.get("header") or {}
         event_id = header.get("event_id")
         if not isinstance(event_id, str) or not event_id:

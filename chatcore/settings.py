@@ -84,6 +84,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "ninja",
+    # F8: failed logins (web and admin) are logged and throttled per user and address.
+    "axes",
     "sessions_app",
 ]
 
@@ -97,7 +99,24 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login with `registration/locked_out`.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# --- Login throttling (F8, django-axes) -----------------------------------------------------
+AUTHENTICATION_BACKENDS = [
+    "sessions_app.login_throttle.ThrottledBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# After this many failed logins of one username from one address, that pair is refused
+# (429) until the cool-off passes; every failure is logged and kept (admin: Access attempts).
+AXES_FAILURE_LIMIT = _env_int("CHAT_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = _env_int("CHAT_LOGIN_COOLOFF_MINUTES", 15) / 60  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# Successful logins are not written to the database (the failures are).
+AXES_DISABLE_ACCESS_LOG = True
 
 ROOT_URLCONF = "chatcore.urls"
 ASGI_APPLICATION = "chatcore.asgi.application"
@@ -274,6 +293,10 @@ CHAT: dict[str, Any] = {
     "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),
     "WRITE_RATE_PER_MINUTE": _env_int("CHAT_WRITE_RATE_PER_MINUTE", 120),
     "USER_SOCKETS_MAX": _env_int("CHAT_USER_SOCKETS_MAX", 20),
+    # F4, I3: how long `/healthz` waits for each dependency (they are checked side by side).
+    "HEALTH_TIMEOUT_SECONDS": float(os.environ.get("CHAT_HEALTH_TIMEOUT_SECONDS") or 1.5),
+    # F3: the largest request body `serve` lets through to Django (413 before reading more).
+    "REQUEST_BODY_MAX_BYTES": _env_int("CHAT_REQUEST_BODY_MAX_BYTES", 3 * 1024 * 1024),
     "HISTORY_PAGE_MAX_BYTES": _env_int("CHAT_HISTORY_PAGE_MAX_BYTES", 1024 * 1024),
     "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
     "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),

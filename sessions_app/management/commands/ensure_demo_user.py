@@ -1,7 +1,11 @@
-"""`ensure_demo_user [--reset]`: make sure the demo login of `make run` exists and print it.
+"""`ensure_demo_user [--staff] [--reset]`: make sure the demo login of `make run` exists and
+print it.
 
-The demo user is staff and superuser so a newcomer can look at the admin too. Running it again
-changes nothing (a password changed since is kept) unless `--reset` is given.
+The demo login is for a server on this machine only (F8): the command refuses once
+DJANGO_SECRET_KEY is set (a deployment), and while the built-in key is in use `serve` listens
+on loopback only. It is a plain user unless `--staff` is given (`make run` gives it, so a
+newcomer can look at the admin too). Running it again changes nothing (a password changed
+since is kept) unless `--reset` is given.
 """
 
 from __future__ import annotations
@@ -10,16 +14,21 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
 DEMO_USERNAME = "demo"
 
 
 class Command(BaseCommand):
-    help = "Make sure the demo login exists (staff, superuser) and print it."
+    help = "Make sure the demo login of a local `make run` exists and print it."
 
     def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--staff",
+            action="store_true",
+            help="make the demo login staff and superuser (make run: the admin too)",
+        )
         parser.add_argument(
             "--reset",
             action="store_true",
@@ -33,15 +42,22 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if settings.SECRET_KEY != settings.DEV_SECRET_KEY:
+            raise CommandError(
+                "The demo login is for `make run` on this machine only, and DJANGO_SECRET_KEY "
+                "is set (a deployment). Create real logins with `manage.py createsuperuser`."
+            )
         password = settings.DEMO_PASSWORD
         port = options["port"] or settings.PORT
+        staff = bool(options["staff"])
         user_model = get_user_model()
         manager = user_model._default_manager
 
         with transaction.atomic():
             user = manager.filter(**{user_model.USERNAME_FIELD: DEMO_USERNAME}).first()
             if user is None:
-                manager.create_superuser(
+                create = manager.create_superuser if staff else manager.create_user
+                create(
                     **{user_model.USERNAME_FIELD: DEMO_USERNAME},
                     email="demo@example.com",
                     password=password,
@@ -50,8 +66,8 @@ class Command(BaseCommand):
             elif options["reset"]:
                 user.set_password(password)
                 user.is_active = True
-                user.is_staff = True
-                user.is_superuser = True
+                user.is_staff = staff
+                user.is_superuser = staff
                 user.save()
                 state = "reset"
             else:
@@ -67,4 +83,5 @@ class Command(BaseCommand):
         if state != "exists":
             self.stdout.write(f"Demo user {state}.")
         self.stdout.write(f"Demo login: {DEMO_USERNAME} / {password}")
-        self.stdout.write(f"Open http://127.0.0.1:{port}/ (admin: http://127.0.0.1:{port}/admin/)")
+        admin = f" (admin: http://127.0.0.1:{port}/admin/)" if staff else ""
+        self.stdout.write(f"Open http://127.0.0.1:{port}/{admin}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from chatcore.engine.provider import OpenAIProvider, ReadBounds
-from chatcore.engine.provider_read import EventLines
+from chatcore.engine.provider_read import DECODE_STEP, RATIO_FLOOR, BodyDecoder, EventLines
 from chatcore.engine.provider_types import ProviderError, TextDelta
 from tests.engine_helpers import chat_group_of, history, make_dialog, send
 from tests.fakemodel import Reply
@@ -338,3 +339,21 @@ async def test_an_event_with_fields_of_the_wrong_shape_is_bad_response(serve, ev
     provider = provider_for(url)
     assert await failure_of(provider) == "bad_response"
     await provider.aclose()
+
+
+def test_a_bomb_that_arrived_whole_is_refused_after_its_first_mib() -> None:
+    # covers: F3, I3 (the ratio is to what was decompressed so far, so a bomb read in one
+    # piece is not decompressed ratio × its size first)
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    bomb = b"".join(packer.compress(b"\n" * MiB) for _ in range(64)) + packer.flush()
+    decoder = BodyDecoder("gzip", max_bytes=64 * MiB, max_ratio=200)
+    with pytest.raises(ProviderError) as refused:
+        for _piece in decoder.decode(bomb):
+            pass
+    assert refused.value.kind == "bad_response"
+    assert decoder.decoded <= RATIO_FLOOR + DECODE_STEP
+    # An honest compressed stream of the same size is decoded whole.
+    honest = os.urandom(MiB // 2).hex().encode()
+    packed = gzip_stream(honest)
+    decoder = BodyDecoder("gzip", max_bytes=64 * MiB, max_ratio=200)
+    assert b"".join(decoder.decode(packed)) == honest

@@ -127,8 +127,8 @@ class BodyDecoder:
             raise bad_response(f"the model server used an unsupported content encoding: {coding}")
 
     def decode(self, data: bytes) -> Iterator[bytes]:
-        self.received += len(data)
         if self._zlib is None:
+            self.received += len(data)
             self._count(len(data))
             if data:
                 yield data
@@ -144,6 +144,9 @@ class BodyDecoder:
                     continue
                 raise bad_response("the model server sent a body that does not decompress") from exc
             self._raw_deflate = False
+            # The ratio is to what was decompressed so far, not to what arrived: a bomb that
+            # arrived whole is refused after its first MiB, not after ratio × its size.
+            self.received += len(pending) - len(self._zlib.unconsumed_tail)
             pending = self._zlib.unconsumed_tail
             self._count(len(piece))
             if piece:

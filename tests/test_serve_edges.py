@@ -6,6 +6,7 @@ after is measured in bench/hostile_bench.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -64,6 +65,30 @@ def test_a_declared_huge_body_is_refused_before_it_is_sent(served: ServeProcess,
         assert fast_health(served) < 1.0
     finally:
         sock.close()
+
+
+def test_the_refusal_speaks_the_client_s_language(served: ServeProcess) -> None:
+    # covers: F3, F5 (the 413 is the REST error shape, in English or Chinese)
+    for accept, message in (
+        ("zh-CN,zh;q=0.9", "请求体过大。"),
+        ("fr, en;q=0.5", "The request body is too large."),
+    ):
+        sock = raw_request(
+            served,
+            f"POST /api/v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Language: {accept}"
+            f"\r\nContent-Length: {10 * CAP}\r\n\r\n".encode(),
+        )
+        try:
+            data = b""
+            while not data.endswith(b"}"):
+                part = sock.recv(4096)
+                if not part:
+                    break
+                data += part
+        finally:
+            sock.close()
+        body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        assert body == {"code": "too_large", "message": message}
 
 
 def test_a_chunked_body_is_refused_once_it_passes_the_cap(served: ServeProcess) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from daphne.http_protocol import HTTPFactory, WebRequest
 from django.conf import settings
+from django.utils import translation
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,25 @@ def body_cap() -> int:
     return int(settings.CHAT["REQUEST_BODY_MAX_BYTES"])
 
 
-def _too_large_response() -> bytes:
-    body = json.dumps({"code": "too_large", "message": "The request body is too large."}).encode()
+def _language(accept: str) -> str:
+    """The first supported language an `Accept-Language` value names (F5)."""
+    for item in accept.split(","):
+        code = item.split(";", 1)[0].strip()
+        if code and code != "*":
+            try:
+                return translation.get_supported_language_variant(code)
+            except LookupError:
+                continue
+    return str(settings.LANGUAGE_CODE)
+
+
+def _too_large_response(accept: str) -> bytes:
+    with translation.override(_language(accept)):
+        message = translation.gettext("The request body is too large.")
+    body = json.dumps({"code": "too_large", "message": message}, ensure_ascii=False).encode()
     return (
         b"HTTP/1.1 413 Content Too Large\r\n"
-        b"Content-Type: application/json\r\n"
+        b"Content-Type: application/json; charset=utf-8\r\n"
         b"Content-Length: %d\r\n"
         b"X-Content-Type-Options: nosniff\r\n"
         b"Connection: close\r\n\r\n" % len(body)
@@ -79,7 +94,8 @@ class BodyCapRequest(WebRequest):
         logger.warning("request body refused (413): %s", what)
         transport = self.channel.transport
         if transport is not None:
-            transport.write(_too_large_response())
+            accept = self.requestHeaders.getRawHeaders(b"accept-language") or [b""]
+            transport.write(_too_large_response(accept[0].decode("latin-1")))
             transport.loseConnection()
 
 

@@ -113,6 +113,10 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = _env_int("CHAT_LOGIN_FAILURE_LIMIT", 5)
 AXES_COOLOFF_TIME = _env_int("CHAT_LOGIN_COOLOFF_MINUTES", 15) / 60  # hours
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Behind a proxy that appends the client's address to X-Forwarded-For (deploy/nginx.conf):
+# count by that address, not the proxy's. Only when every request comes through the proxy.
+TRUST_X_FORWARDED_FOR = _env_bool("DJANGO_TRUST_X_FORWARDED_FOR", False)
+AXES_CLIENT_IP_CALLABLE = "sessions_app.login_throttle.client_address"
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 # Successful logins are not written to the database (the failures are).

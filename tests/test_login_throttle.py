@@ -89,3 +89,22 @@ def test_a_login_without_a_request_is_left_to_the_model_backend(make_user: Any) 
     make_user("plain", password=PASSWORD)
     assert Client().login(username="plain", password=PASSWORD)
     assert not Client().login(username="plain", password="wrong")
+
+
+def test_behind_a_trusted_proxy_the_forwarded_address_counts(make_user: Any, settings: Any) -> None:
+    # covers: F8 (behind deploy/nginx.conf every login comes from the proxy's address; the
+    # address it appends is the client's, and one the client sent itself is not trusted)
+    settings.TRUST_X_FORWARDED_FOR = True
+    make_user("proxied", password=PASSWORD)
+    proxy = "127.0.0.1"
+    attacker = Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="198.51.100.9, 203.0.113.66")
+    for _ in range(settings.AXES_FAILURE_LIMIT):
+        attempt(attacker, "/accounts/login/", "proxied", "wrong")
+    assert AccessAttempt.objects.get().ip_address == "203.0.113.66"
+    assert attempt(attacker, "/accounts/login/", "proxied", PASSWORD).status_code == 429
+    # The same user from another client behind the same proxy signs in.
+    owner = Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="203.0.113.77")
+    assert attempt(owner, "/accounts/login/", "proxied", PASSWORD).status_code == 302
+    # A forged first hop does not change the address counted.
+    forged = Client(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="203.0.113.77, 203.0.113.66")
+    assert attempt(forged, "/accounts/login/", "proxied", PASSWORD).status_code == 429

@@ -282,7 +282,7 @@ async def poll(engine: Engine, *, stop: asyncio.Event, timeout: int | None = Non
                     # Not stored: confirm nothing from here on, so getUpdates brings it again.
                     await asyncio.sleep(1)
                     break
-                if isinstance(update.get("update_id"), int):
+                if isinstance(update, dict) and isinstance(update.get("update_id"), int):
                     offset = max(offset or 0, update["update_id"] + 1)
                 handled += 1
     finally:

@@ -5,6 +5,7 @@ is answered as usual. The Feishu rows are in test_chatapps_feishu.py (its fixtur
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -101,3 +102,18 @@ def test_the_update_shape_keeps_what_the_adapter_reads() -> None:
             "text": "hi",
         },
     }
+
+
+async def test_polling_passes_a_malformed_update_and_answers_the_next(bot: Bot) -> None:
+    # covers: I3, D5 (getUpdates: a malformed update claims nothing and holds up nothing)
+    good = bot.fake.update("after the broken one")
+    broken = {"update_id": good["update_id"] - 1, "message": {"message_id": 1, "chat": "x"}}
+    bot.fake.queue_update(broken)
+    bot.fake.queue_update(good)
+    stop = asyncio.Event()
+    poller = asyncio.ensure_future(telegram.poll(bot.engine, stop=stop, timeout=1))
+    await bot.fake.wait_for(lambda: bot.answers_to(good))
+    stop.set()
+    await asyncio.wait_for(poller, 10)
+    claimed = await sync_to_async(list)(ChannelEvent.objects.values_list("event_id", flat=True))
+    assert claimed == [str(good["update_id"])]

@@ -115,5 +115,7 @@ async def test_polling_passes_a_malformed_update_and_answers_the_next(bot: Bot) 
     await bot.fake.wait_for(lambda: bot.answers_to(good))
     stop.set()
     await asyncio.wait_for(poller, 10)
-    claimed = await sync_to_async(list)(ChannelEvent.objects.values_list("event_id", flat=True))
+    claimed = await sync_to_async(
+        lambda: list(ChannelEvent.objects.values_list("event_id", flat=True))
+    )()
     assert claimed == [str(good["update_id"])]

@@ -121,6 +121,8 @@ AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 # Successful logins are not written to the database (the failures are).
 AXES_DISABLE_ACCESS_LOG = True
+# No banner at every start; failures are still logged (with what they are counted by).
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "chatcore.urls"
 ASGI_APPLICATION = "chatcore.asgi.application"

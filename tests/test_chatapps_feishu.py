@@ -99,7 +99,7 @@ class App:
             "header": {
                 "event_id": event_id or f"ev-{self._events}-{os.urandom(4).hex()}",
                 "event_type": "im.message.receive_v1",
-                "create_time": "1700000000000",
+                "create_time": str(int(time.time() * 1000)),
                 "token": VERIFY,
                 "app_id": FEISHU_APP_ID,
             },
@@ -471,3 +471,18 @@ async def test_a_correctly_signed_old_callback_is_refused_as_a_replay(app: App, 
     assert fake_model.turn_requests() == []
     # The same event signed now is accepted.
     assert (await app.post(event)).json()["result"] == "send"
+
+
+async def test_an_event_created_before_its_id_is_remembered_is_refused(
+    app_with: Any, fake_model
+) -> None:
+    # covers: D5, F2 (issue 56 row 8: event ids are forgotten after 7 days; an older event,
+    # signed or not, is refused by its create_time instead of being handled again)
+    for encrypted in (False, True):
+        app = await app_with(encrypted=encrypted)
+        for create_time in ("978307200000", str(int((time.time() - 8 * 86400) * 1000)), "soon"):
+            event = app.event("an old event")
+            event["header"]["create_time"] = create_time
+            assert (await app.post(event)).status_code == 403
+        await nothing_stored()
+    assert fake_model.turn_requests() == []

@@ -34,6 +34,7 @@ from chatcore.engine.engine import Engine
 
 from . import store
 from .base import (
+    EVENT_KEEP,
     Adapter,
     IncomingMessage,
     PlatformClient,
@@ -236,7 +237,21 @@ def open_callback(body: bytes, headers: dict[str, str]) -> dict[str, Any]:
             raise CallbackRefused("verification token mismatch")
     elif not key:
         raise CallbackRefused("set FEISHU_VERIFICATION_TOKEN or FEISHU_ENCRYPT_KEY")
+    if not _recent_event(envelope.get("header", {}).get("create_time")):
+        # Signed or not: an event older than its id is remembered would be handled again.
+        raise CallbackRefused("the event is older than its id is remembered (a replay)")
     return data
+
+
+def _recent_event(create_time: str | None) -> bool:
+    """Whether an event's `create_time` (milliseconds) is within the days its id is kept
+    for de-duplication (less an hour), and not more than an hour ahead."""
+    if create_time is None:
+        return True  # a url_verification carries none
+    if not create_time.isascii() or not create_time.isdigit() or len(create_time) > 15:
+        return False
+    age = time.time() - int(create_time) / 1000
+    return -3600 <= age <= EVENT_KEEP.total_seconds() - 3600
 
 
 def _fresh(timestamp: str, max_age: int) -> bool:

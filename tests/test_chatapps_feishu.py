@@ -443,6 +443,10 @@ async def test_a_malformed_event_with_a_valid_token_is_400_and_stores_nothing(
             response = await app.post(payload)
             assert response.status_code == 400, (payload, response.content)
         await nothing_stored()
+    # Content nested as deep as the JSON reader allows is read with it, not a 500.
+    deep = app.event("deep")
+    deep["event"]["message"]["content"] = '{"text": "deep", "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    assert (await app.post(deep)).json()["result"] == "send"
     # A well-formed event afterwards is answered as usual.
     sent, outcome = await app.say("still here?")
     assert outcome == "send"

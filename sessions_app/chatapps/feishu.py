@@ -288,9 +288,13 @@ class FeishuAdapter(Adapter):
         if sender.get("sender_type") not in (None, "user") or message.get("message_type") != "text":
             return None
         try:
-            text = str(json.loads(message.get("content") or "{}").get("text", ""))
-        except ValueError:
+            # Checked to be a JSON object (`events.feishu_event`); orjson bounds its nesting.
+            content = load_json((message.get("content") or "{}").encode())
+        except Malformed:
             return None
+        if not isinstance(content, dict):
+            return None
+        text = str(content.get("text", ""))
         chat_id = message.get("chat_id")
         sender_id = (sender.get("sender_id") or {}).get("open_id")
         if not chat_id or not sender_id or not message.get("message_id"):

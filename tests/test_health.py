@@ -30,7 +30,7 @@ async def test_health_reports_each_dependency_ok() -> None:
     body = response.json()
     assert body["status"] == "ok"
     assert body["database"]["ok"] and body["channel_layer"]["ok"] and body["broker"]["ok"]
-    assert took < 2
+    assert took < 3.0
 
 
 async def test_a_hanging_database_check_is_reported_within_the_timeout(
@@ -43,7 +43,7 @@ async def test_a_hanging_database_check_is_reported_within_the_timeout(
 
     monkeypatch.setattr(views, "_check_database", hangs)
     took, response = await timed_health()
-    assert took < 2.5, took
+    assert took < 3.0, took  # 1.5 s of timeout, and room for a loaded machine
     assert response.status_code == 503
     body = response.json()
     assert body["status"] == "degraded"
@@ -61,6 +61,6 @@ async def test_an_unreachable_database_answers_503(monkeypatch: pytest.MonkeyPat
     # On every thread's connection (the check runs on a database thread).
     monkeypatch.setattr(type(connections["default"]), "cursor", refuses)
     took, response = await timed_health()
-    assert took < 2.5
+    assert took < 3.0
     assert response.status_code == 503
     assert response.json()["database"] == {"ok": False, "vendor": connection.vendor}

@@ -68,7 +68,7 @@ def test_health_answers_in_time_while_redis_is_frozen(
         try:
             for _ in range(3):
                 took, response = timed_get(http, "/healthz")
-                assert took < 2.5, took
+                assert took < 3.0, took  # 1.5 s of timeout, and room for a loaded machine
                 assert response.status_code == 503
                 body = response.json()
                 assert body["database"]["ok"] is True

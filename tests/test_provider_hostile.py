@@ -100,7 +100,7 @@ async def test_an_endless_event_line_is_refused_and_others_stay_fast(serve) -> N
         sent.append(await send_for(writer, b"x", 50 * MiB, 64 * 1024))
         return False
 
-    _server, url = await serve(respond)
+    server, url = await serve(respond)
     _good, good_url = await serve(answer(["fine"]))
     hostile = provider_for(url, max_retries=2, bounds=ReadBounds(event_bytes=MiB))
     other = provider_for(good_url)
@@ -109,7 +109,13 @@ async def test_an_endless_event_line_is_refused_and_others_stay_fast(serve) -> N
     assert kind == "bad_response"
     assert time.monotonic() - started < 5
     assert_fast(durations)
-    assert len(sent) == 1  # not retried
+    assert len(server.requests) == 1  # not retried
+    # The server saw the client hang up long before the line's end.
+    for _ in range(100):
+        if sent:
+            break
+        await asyncio.sleep(0.05)
+    assert sent and sent[0] < 50 * MiB, sent
     await hostile.aclose()
     await other.aclose()
 
@@ -324,6 +330,8 @@ async def test_a_malformed_response_is_bad_response_and_not_retried(serve, respo
         {"choices": [{"delta": {"content": 5}}]},
         {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": 1}}]}}]},
         {"usage": "lots"},
+        {"choices": [{"delta": {"tool_calls": [{"index": "x"}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": i} for i in range(129)]}}]},
     ],
 )
 async def test_an_event_with_fields_of_the_wrong_shape_is_bad_response(serve, event) -> None:

@@ -30,6 +30,8 @@ from .provider_types import ProviderError
 DECODE_STEP = 64 * 1024
 # Below this much decoded, the ratio is not checked (small bodies compress well).
 RATIO_FLOOR = 1024 * 1024
+# Tool calls of one answer (each a slot kept until the answer ends, whatever its bytes).
+MAX_TOOL_CALLS = 128
 
 
 def bad_response(message: str) -> ProviderError:
@@ -224,9 +226,10 @@ def _read_fields(
         if piece:
             text += piece
         for tc in delta.get("tool_calls") or []:
-            slot = calls.setdefault(
-                int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""}
-            )
+            index = int(tc.get("index", 0))
+            if index not in calls and len(calls) >= MAX_TOOL_CALLS:
+                raise bad_response(f"the model server sent over {MAX_TOOL_CALLS} tool calls")
+            slot = calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
             if tc.get("id"):
                 slot["id"] = str(tc["id"])
             fn = tc.get("function") or {}

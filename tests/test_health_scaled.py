@@ -78,7 +78,7 @@ def test_health_answers_in_time_while_redis_is_frozen(
                 started = time.monotonic()
                 listed = api.client.get("/sessions")
                 assert listed.status_code == 200 and listed.json()["count"] == 1
-                assert time.monotonic() - started < 1.0
+                assert time.monotonic() - started < 2.0
         finally:
             os.kill(redis_server.proc.pid, signal.SIGCONT)
 

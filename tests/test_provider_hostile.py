@@ -88,7 +88,7 @@ async def meanwhile_fast(other: OpenAIProvider, hostile: Any) -> tuple[Any, list
 def assert_fast(durations: list[float]) -> None:
     # The other user's round trips stay quick while the hostile answer is read (normally a
     # few milliseconds; a quadratic parse took seconds).
-    assert max(durations) < 1.0, durations
+    assert max(durations) < 2.0, durations
 
 
 async def test_an_endless_event_line_is_refused_and_others_stay_fast(serve) -> None:
@@ -288,7 +288,7 @@ async def test_switching_protocols_is_an_error_and_its_connection_is_not_reused(
     assert calls == 1  # not retried
     started = time.monotonic()
     assert (await collect(provider))[1].text == "next"
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 2
     assert server.connections == 2
     await provider.aclose()
 

@@ -1,11 +1,11 @@
 """`ensure_demo_user [--staff] [--reset]`: make sure the demo login of `make run` exists and
 print it.
 
-The demo login is for a server on this machine only (F8): the command refuses once
-DJANGO_SECRET_KEY is set (a deployment), and while the built-in key is in use `serve` listens
-on loopback only. It is a plain user unless `--staff` is given (`make run` gives it, so a
-newcomer can look at the admin too). Running it again changes nothing (a password changed
-since is kept) unless `--reset` is given.
+The demo login is for a server on this machine only (F8): the command makes none once
+DJANGO_SECRET_KEY is set (a deployment; it says so and `make run` goes on), and while the
+built-in key is in use `serve` listens on loopback only. It is a plain user unless `--staff`
+is given (`make run` gives it, so a newcomer can look at the admin too). Running it again
+changes nothing (a password changed since is kept) unless `--reset` is given.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
 DEMO_USERNAME = "demo"
@@ -43,10 +43,13 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         if settings.SECRET_KEY != settings.DEV_SECRET_KEY:
-            raise CommandError(
-                "The demo login is for `make run` on this machine only, and DJANGO_SECRET_KEY "
-                "is set (a deployment). Create real logins with `manage.py createsuperuser`."
+            # Not an error: `make run` goes on serving, without a login of a known password.
+            self.stderr.write(
+                "No demo login: it is for `make run` on this machine only, and "
+                "DJANGO_SECRET_KEY is set (a deployment, which `serve` may bind beyond "
+                "loopback). Create logins with `python manage.py createsuperuser`."
             )
+            return
         password = settings.DEMO_PASSWORD
         port = options["port"] or settings.PORT
         staff = bool(options["staff"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -102,9 +102,19 @@ class EventLines:
                 )
 
 
+class _Inflater(Protocol):
+    """What `BodyDecoder` uses of a `zlib.decompressobj`."""
+
+    @property
+    def unconsumed_tail(self) -> bytes: ...
+
+    def decompress(self, data: bytes, max_length: int = ..., /) -> bytes: ...
+
+
 class BodyDecoder:
-    """A body's `Content-Encoding` undone in bounded steps: at most `max_bytes` in all, and
-    (past the first MiB) at most `max_ratio` times the bytes that arrived."""
+    """A body's `Content-Encoding` undone in bounded steps: at most `max_bytes` decoded in
+    all, and (past the first MiB) at most `max_ratio` times the compressed bytes it came
+    from. A body that is not compressed is passed on as it is."""
 
     def __init__(self, encoding: str, *, max_bytes: int, max_ratio: int) -> None:
         codings = [c.strip().lower() for c in encoding.split(",")]
@@ -116,7 +126,7 @@ class BodyDecoder:
         self.received = 0
         self.decoded = 0
         self._raw_deflate = False
-        self._zlib: zlib._Decompress | None = None
+        self._zlib: _Inflater | None = None
         if not codings:
             return
         coding = codings[0]
@@ -130,8 +140,7 @@ class BodyDecoder:
 
     def decode(self, data: bytes) -> Iterator[bytes]:
         if self._zlib is None:
-            self.received += len(data)
-            self._count(len(data))
+            # Not compressed: bounded by what the caller reads of it (a line, an answer).
             if data:
                 yield data
             return

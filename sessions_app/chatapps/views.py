@@ -29,6 +29,7 @@ async def telegram_webhook(request: HttpRequest) -> HttpResponse:
         # I3: every field the adapter reads is checked before anything is claimed or stored.
         update = events.telegram_update(events.load_json(request.body))
     except events.Malformed as exc:
+        logger.warning("telegram update refused: %s", exc)
         return JsonResponse({"error": str(exc)}, status=400)
     engine = await runtime.get_engine()
     adapter = await telegram.telegram_adapter(engine)

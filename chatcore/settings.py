@@ -89,6 +89,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "ninja",
+    # F8: failed logins (web and admin) are logged and throttled per user and address.
+    "axes",
     "sessions_app",
     "audit",
 ]
@@ -103,7 +105,30 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login with `registration/locked_out`.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# --- Login throttling (F8, django-axes) -----------------------------------------------------
+AUTHENTICATION_BACKENDS = [
+    "sessions_app.login_throttle.ThrottledBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# After this many failed logins of one username from one address, that pair is refused
+# (429) until the cool-off passes; every failure is logged and kept (admin: Access attempts).
+AXES_FAILURE_LIMIT = _env_int("CHAT_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = _env_int("CHAT_LOGIN_COOLOFF_MINUTES", 15) / 60  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Behind a proxy that appends the client's address to X-Forwarded-For (deploy/nginx.conf):
+# count by that address, not the proxy's. Only when every request comes through the proxy.
+TRUST_X_FORWARDED_FOR = _env_bool("DJANGO_TRUST_X_FORWARDED_FOR", False)
+AXES_CLIENT_IP_CALLABLE = "sessions_app.login_throttle.client_address"
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# Successful logins are not written to the database (the failures are).
+AXES_DISABLE_ACCESS_LOG = True
+# No banner at every start; failures are still logged (with what they are counted by).
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "chatcore.urls"
 ASGI_APPLICATION = "chatcore.asgi.application"
@@ -282,10 +307,17 @@ CHAT: dict[str, Any] = {
     "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),
     "WRITE_RATE_PER_MINUTE": _env_int("CHAT_WRITE_RATE_PER_MINUTE", 120),
     "USER_SOCKETS_MAX": _env_int("CHAT_USER_SOCKETS_MAX", 20),
+    # F4, I3: how long `/healthz` waits for each dependency (they are checked side by side).
+    "HEALTH_TIMEOUT_SECONDS": float(os.environ.get("CHAT_HEALTH_TIMEOUT_SECONDS") or 1.5),
+    # F3: the largest request body `serve` lets through to Django (413 before reading more).
+    "REQUEST_BODY_MAX_BYTES": _env_int("CHAT_REQUEST_BODY_MAX_BYTES", 3 * 1024 * 1024),
     "HISTORY_PAGE_MAX_BYTES": _env_int("CHAT_HISTORY_PAGE_MAX_BYTES", 1024 * 1024),
     "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
     "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
     "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
+    # F3: one answer's text and tool call bytes; past it the turn fails `too_large`, keeping
+    # what arrived up to it.
+    "ANSWER_MAX_BYTES": _env_int("CHAT_ANSWER_MAX_BYTES", 2 * 1024 * 1024),
     # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
     # paths of functions taking the engine, which spawn supervised tasks on it.
     "ENGINE_SERVICES": [],
@@ -308,6 +340,8 @@ CHATAPPS: dict[str, dict[str, Any]] = {
         "ENCRYPT_KEY": os.environ.get("FEISHU_ENCRYPT_KEY", "").strip(),
         "API_BASE": os.environ.get("FEISHU_API_BASE", "https://open.feishu.cn").rstrip("/"),
         "EDIT_INTERVAL_SECONDS": 1.0,
+        # A signed callback older (or newer) than this is refused: a replay (Feishu's advice).
+        "MAX_REQUEST_AGE_SECONDS": _env_int("FEISHU_MAX_REQUEST_AGE_SECONDS", 300),
     },
 }
 if CHATAPPS["telegram"]["BOT_TOKEN"]:
@@ -342,6 +376,12 @@ LLM: dict[str, Any] = {
     # small keep-alive pool, and a short wait for a pooled connection.
     "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
     "POOL_TIMEOUT": 5.0,
+    # F3, I3: how much of a model server's answer is read: one server-sent event line, the
+    # decompressed stream (bytes, and ratio to what arrived), the start of an error body.
+    "MAX_EVENT_BYTES": _env_int("LLM_MAX_EVENT_BYTES", 1024 * 1024),
+    "MAX_DECODED_BYTES": _env_int("LLM_MAX_DECODED_BYTES", 64 * 1024 * 1024),
+    "MAX_DECODE_RATIO": _env_int("LLM_MAX_DECODE_RATIO", 200),
+    "MAX_ERROR_BODY_BYTES": _env_int("LLM_MAX_ERROR_BODY_BYTES", 64 * 1024),
 }
 
 LOGGING = {

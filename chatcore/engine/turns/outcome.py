@@ -20,6 +20,8 @@ class FailureKind(StrEnum):
     INTERRUPTED = "interrupted"
     # F7: the turn ran past CHAT["TURN_DEADLINE_SECONDS"].
     TIMEOUT = "timeout"
+    # F3: the answer grew past CHAT["ANSWER_MAX_BYTES"]; what fit is kept.
+    TOO_LARGE = "too_large"
 
 
 @dataclass
@@ -113,6 +115,9 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
         ),
         FailureKind.TIMEOUT: _(
             "The answer took too long and was stopped. Please retry, or ask for something shorter."
+        ),
+        FailureKind.TOO_LARGE: _(
+            "The answer grew too long and was stopped. Please ask for something shorter."
         ),
     }.get(FailureKind(kind), _("Something went wrong. Please retry."))
 

@@ -319,7 +319,7 @@ class TurnRunner:
                     # E5: a filter that speaks as an error ends the answer like a filter stop.
                     return self._cut_answer(self.step_text, MessageStatus.FILTERED)
                 return Failed(
-                    FailureKind.PROVIDER,
+                    FailureKind.TOO_LARGE if exc.kind == "too_large" else FailureKind.PROVIDER,
                     detail=str(exc),
                     messages=self.pending,
                     partial=self.step_text,

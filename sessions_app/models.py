@@ -11,6 +11,7 @@ from django.db.models.functions import Length
 from django.utils import timezone
 
 from chatcore.common.ids import new_uuid
+from chatcore.common.llm_models import default_model
 
 
 def _new_pk() -> str:
@@ -62,6 +63,10 @@ class Session(models.Model):
     lease_epoch = models.BigIntegerField(default=0)
     # C8: the session plan tool's state.
     plan = models.TextField(blank=True, default="")
+    # H4: the dialog's model ("" = the server's default, `LLM_MODEL`) and its own
+    # instructions, sent in the first (system) message after the platform's.
+    model = models.CharField(max_length=200, blank=True, default="")
+    system_prompt = models.TextField(blank=True, default="")
     deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
     class Meta:
@@ -91,6 +96,11 @@ class Session(models.Model):
     @property
     def default_title(self) -> str:
         return f"Dialog {self.dialog_id}"
+
+    @property
+    def effective_model(self) -> str:
+        """H4: the model a turn of this dialog asks (its own, else the default)."""
+        return self.model or default_model()
 
 
 class Role(models.TextChoices):

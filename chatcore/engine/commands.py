@@ -19,7 +19,7 @@ from django.utils.translation import gettext_lazy
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, UnknownCommand
 from chatcore.common.ids import validate_part
-from sessions_app import selectors, services
+from sessions_app import selectors, services, usage
 from sessions_app.models import Session
 
 from . import limits
@@ -135,13 +135,23 @@ def _states(ctx: CommandContext) -> SessionStates | None:
 
 @command("new", usage="/new [title]", help=gettext_lazy("Start a new dialog"), takes_args=True)
 async def _new(ctx: CommandContext, args: str) -> CommandResult:
-    session = await on_db(dialog_create)(
-        owner=ctx.owner,
-        channel=ctx.channel,
-        chat_id=ctx.chat_id,
-        title=args or None,
-        states=_states(ctx),
-    )
+    current = ctx.current
+
+    def create() -> Session:
+        # H4: a new dialog of the chat keeps the model its last dialog used.
+        model: str | None = ""
+        if current is not None:
+            model = Session.objects.filter(pk=current.pk).values_list("model", flat=True).first()
+        return dialog_create(
+            owner=ctx.owner,
+            channel=ctx.channel,
+            chat_id=ctx.chat_id,
+            title=args or None,
+            states=_states(ctx),
+            model=model or "",
+        )
+
+    session = await on_db(create)()
     return CommandResult(
         "new",
         _("Created dialog %(id)s: %(title)s") % {"id": session.dialog_id, "title": session.title},
@@ -223,13 +233,13 @@ async def _delete(ctx: CommandContext, args: str) -> CommandResult:
 async def _info(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
 
-    def gather() -> tuple[Session, int, bool]:
+    def gather() -> tuple[Session, int, bool, dict[str, int]]:
         fresh = Session.objects.get(pk=session.pk)
         queued = len(selectors.turn_queue(session_pk=session.pk))
         running = selectors.turn_running(session_pk=session.pk) is not None
-        return fresh, queued, running
+        return fresh, queued, running, usage.session_usage(session_pk=session.pk)
 
-    fresh, queued, running = await on_db(gather)()
+    fresh, queued, running, used = await on_db(gather)()
     lines = [
         _("Dialog: %(id)s") % {"id": fresh.dialog_id},
         _("Session: %(sid)s") % {"sid": fresh.session_id},
@@ -240,6 +250,19 @@ async def _info(ctx: CommandContext, args: str) -> CommandResult:
         % {"user": fresh.message_count, "total": fresh.total_message_count},
         _("Status: %(status)s, %(queued)d queued")
         % {"status": _("running") if running else _("idle"), "queued": queued},
+        # H4: the dialog's model, its own instructions and what its turns used.
+        _("Model: %(model)s") % {"model": fresh.effective_model},
+        _("System prompt: %(chars)d characters") % {"chars": len(fresh.system_prompt)},
+        _(
+            "Tokens used: %(prompt)d prompt (%(cached)d cached), %(completion)d completion "
+            "in %(turns)d answers"
+        )
+        % {
+            "prompt": used["prompt_tokens"],
+            "cached": used["cached_tokens"],
+            "completion": used["completion_tokens"],
+            "turns": used["turns"],
+        },
     ]
     return CommandResult("info", "\n".join(lines))
 

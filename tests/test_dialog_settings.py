@@ -269,3 +269,23 @@ async def test_new_keeps_the_model_and_info_shows_it_with_the_usage(
     assert history["model"] == "big-model"
     row = await Session.objects.aget(dialog_id=history["dialog_id"], owner=user)
     assert row.model == "big-model"
+
+
+# --- In both languages ----------------------------------------------------------------------
+
+
+def test_the_settings_strings_of_the_web_chat_are_translated() -> None:
+    # covers: H4, F5
+    from django.utils import translation
+
+    from sessions_app.web_settings import settings_strings
+
+    english = settings_strings()
+    with translation.override("zh-hans"):
+        chinese = settings_strings()
+        refusal = ModelCatalog(base_url=None, default="demo")
+        with pytest.raises(UnknownModel) as refused:
+            refusal.check("gpt-17", refusal.ids())
+    assert chinese.keys() == english.keys()
+    assert [key for key in english if chinese[key] == english[key]] == []
+    assert "未知模型 gpt-17" in refused.value.message

@@ -81,3 +81,13 @@ def usage_rows(*, group: str, since: datetime | None = None) -> list[dict[str, A
     return [
         {"key": key, "label": label, **usage_sum(rows)} for key, (label, rows) in groups.items()
     ]
+
+
+def usage_sum_rows(rows: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The totals of a table of `usage_rows` (with `total_tokens` where the rows have it)."""
+    names = (*FIELDS, "turns", "total_tokens")
+    total = dict.fromkeys(names, 0)
+    for row in rows:
+        for name in names:
+            total[name] += int(row.get(name, 0))
+    return total

@@ -176,18 +176,23 @@ class ModelCatalog:
         self._listed = sorted(set(ids))
 
 
-_settings_catalog: ModelCatalog | None = None
+# Catalogs made from the settings, by what they were made from (one in a deployment).
+_settings_catalogs: dict[tuple[str, str, tuple[str, ...]], ModelCatalog] = {}
+_settings_lock = threading.Lock()
 
 
 def process_catalog() -> ModelCatalog:
     """This process's catalog: its engine's, else (a process without one, e.g. the admin
     under a plain WSGI server) one made from the settings."""
-    global _settings_catalog
     from . import runtime
 
     engine = runtime.current_engine()
     if engine is not None:
         return engine.models
-    if _settings_catalog is None:
-        _settings_catalog = ModelCatalog.from_settings()
-    return _settings_catalog
+    cfg = settings.LLM
+    key = (cfg["BASE_URL"], str(cfg["MODEL"]), tuple(cfg.get("MODELS") or ()))
+    with _settings_lock:
+        catalog = _settings_catalogs.get(key)
+        if catalog is None:
+            catalog = _settings_catalogs[key] = ModelCatalog.from_settings()
+        return catalog

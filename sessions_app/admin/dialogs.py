@@ -32,6 +32,11 @@ from chatcore.engine.dialogs import delete_dialog
 
 from .. import services
 from ..models import Message, Session, TitleSource, Turn
+from .settings import (
+    DIALOG_SETTINGS_FIELDSET,
+    DialogSettingsAdminMixin,
+    DialogSettingsFormMixin,
+)
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -96,10 +101,10 @@ class MessageInline(admin.TabularInline):
         return linebreaksbr(Truncator(obj.content).chars(INLINE_CONTENT_CHARS), autoescape=True)
 
 
-class SessionAdminForm(forms.ModelForm):
+class SessionAdminForm(DialogSettingsFormMixin, forms.ModelForm):
     class Meta:
         model = Session
-        fields = ("title",)
+        fields = ("title", "model", "system_prompt")
 
     def clean_title(self) -> str:
         # The same rules as a rename from the web chat (B4), reported as a form error.
@@ -110,7 +115,7 @@ class SessionAdminForm(forms.ModelForm):
 
 
 @admin.register(Session)
-class SessionAdmin(admin.ModelAdmin):
+class SessionAdmin(DialogSettingsAdminMixin, admin.ModelAdmin):
     form = SessionAdminForm
     inlines = (MessageInline,)
     list_display = (
@@ -165,6 +170,7 @@ class SessionAdmin(admin.ModelAdmin):
                 )
             },
         ),
+        DIALOG_SETTINGS_FIELDSET,
         (
             _("Engine state"),
             {
@@ -199,6 +205,7 @@ class SessionAdmin(admin.ModelAdmin):
         "lease_owner",
         "lease_expires_at",
         "plan",
+        "usage_display",
     )
 
     @admin.display(description=_("session id"))
@@ -250,6 +257,8 @@ class SessionAdmin(admin.ModelAdmin):
                 )
             except ChatError as exc:
                 self.message_user(request, exc.message, level=messages.ERROR)
+        if change:
+            self.save_dialog_settings(request, obj, form)
 
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         # The message inline is read-only; nothing of a dialog's history is written here.

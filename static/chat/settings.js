@@ -36,7 +36,14 @@ export function settingsFrame(frame) {
   if (frame.type === "session_history" && frame.model != null) {
     setCurrent(frame.session_id, frame.model, frame.system_prompt || "");
   } else if (frame.type === "sessions") {
-    renderButton(); // whether the open dialog is read-only may have changed
+    // A reconnect that resumes with a delta gets no `session_history`: the list's item
+    // says the open dialog's model. Whether it is read-only may have changed too.
+    (frame.items || []).forEach(function (item) {
+      if (item.session_id === current.sessionId && item.model) {
+        current.model = item.model;
+      }
+    });
+    renderButton();
   } else if (frame.type === "session_updated" && frame.session_id === current.sessionId) {
     var changed = frame.model != null && frame.model !== current.model;
     if (frame.model != null || frame.system_prompt != null) {

@@ -205,6 +205,9 @@ async def test_the_settings_frame_is_answered_by_session_updated(
     # covers: H4
     ws = await connect(user)
     other = await connect(user)
+    # PROTOCOL "Close codes and added fields": the connect frames carry the settings.
+    assert [item["model"] for item in ws.sessions["items"]] == ["fake"]
+    assert (ws.history["model"], ws.history["system_prompt"]) == ("fake", "")
     answer = await ws.ask(
         {"type": "settings", "model": "small-model", "system_prompt": PIRATE, "client_msg_id": "s1"}
     )
@@ -289,3 +292,14 @@ def test_the_settings_strings_of_the_web_chat_are_translated() -> None:
     assert chinese.keys() == english.keys()
     assert [key for key in english if chinese[key] == english[key]] == []
     assert "未知模型 gpt-17" in refused.value.message
+
+
+def test_llm_context_windows_reads_name_equals_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    # covers: H4
+    from chatcore.settings import _env_windows
+
+    monkeypatch.setenv("LLM_CONTEXT_WINDOWS", "gpt-4o=128000, org/llama-3:8b=8192")
+    assert _env_windows("LLM_CONTEXT_WINDOWS") == {"gpt-4o": 128000, "org/llama-3:8b": 8192}
+    monkeypatch.setenv("LLM_CONTEXT_WINDOWS", "gpt-4o:128000")
+    with pytest.raises(ValueError, match="name=tokens"):
+        _env_windows("LLM_CONTEXT_WINDOWS")

@@ -1,16 +1,30 @@
 """What the model reported it used (SPEC H4): per turn (`Turn.usage`, kept by the committer
 as the model server sent it, nested details included) and summed per dialog, per user and per
-day for `/info`, the REST API and the admin."""
+day for `/info`, the REST API and the admin.
+
+Sums are made by the database (the JSON keys cast to numbers; the committer keeps only
+numbers there, `provider_errors.merge_usage`), so a table over months of turns reads one row
+per group, not one per turn.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
+
+from django.db.models import Count, F, FloatField, Q, QuerySet, Sum
+from django.db.models.fields.json import KT
+from django.db.models.functions import Cast, Coalesce, TruncDate
 
 from .models import Turn, TurnStatus
 
 FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_PATHS = {
+    "prompt_tokens": "usage__prompt_tokens",
+    "completion_tokens": "usage__completion_tokens",
+    "cached_tokens": "usage__prompt_tokens_details__cached_tokens",
+}
 
 
 def _number(value: Any) -> int:
@@ -30,57 +44,59 @@ def usage_of(raw: dict[str, Any] | None) -> dict[str, int]:
     }
 
 
-def usage_sum(usages: Iterable[dict[str, Any] | None]) -> dict[str, int]:
-    """The totals of several turns' usage, with how many turns reported any (`turns`)."""
-    total = dict.fromkeys(FIELDS, 0)
-    turns = 0
-    for raw in usages:
-        if not raw:
-            continue
-        turns += 1
-        for key, value in usage_of(raw).items():
-            total[key] += value
-    return {**total, "turns": turns}
+def _sums() -> dict[str, Any]:
+    sums: dict[str, Any] = {
+        name: Coalesce(Sum(Cast(KT(path), FloatField())), 0.0) for name, path in _PATHS.items()
+    }
+    reported = Q(usage__has_key="prompt_tokens") | Q(usage__has_key="completion_tokens")
+    sums["turns"] = Count("id", filter=reported)
+    return sums
+
+
+def _ints(row: dict[str, Any]) -> dict[str, int]:
+    return {name: int(row[name] or 0) for name in (*FIELDS, "turns")}
+
+
+def _completed() -> QuerySet[Turn]:
+    return Turn.objects.filter(status=TurnStatus.COMPLETED)
 
 
 def session_usage(*, session_pk: str) -> dict[str, int]:
-    """A dialog's totals over its turns."""
-    return usage_sum(
-        Turn.objects.filter(session_id=session_pk, status=TurnStatus.COMPLETED).values_list(
-            "usage", flat=True
-        )
-    )
+    """A dialog's totals over its completed turns, with how many reported usage (`turns`)."""
+    return _ints(_completed().filter(session_id=session_pk).aggregate(**_sums()))
 
 
 def usage_rows(*, group: str, since: datetime | None = None) -> list[dict[str, Any]]:
     """Totals per `group` ("dialog", "user" or "day"), for the admin's table: each row has
     `key` (the session id, the username or the ISO date), `label` and the sums."""
-    turns = Turn.objects.filter(status=TurnStatus.COMPLETED).exclude(finished_at=None)
+    turns = _completed().exclude(finished_at=None)
     if since is not None:
         turns = turns.filter(finished_at__gte=since)
-    values = turns.values_list(
-        "usage",
-        "finished_at",
-        "owner__username",
-        "session__channel",
-        "session__chat_id",
-        "session__dialog_id",
-        "session__title",
-    )
-    groups: dict[str, tuple[str, list[dict[str, Any]]]] = {}
-    for usage, finished, username, channel, chat_id, dialog_id, title in values.iterator():
-        if not usage or finished is None:
+    if group == "dialog":
+        by: dict[str, Any] = {
+            "channel": F("session__channel"),
+            "chat_id": F("session__chat_id"),
+            "dialog_id": F("session__dialog_id"),
+            "title": F("session__title"),
+            "session_pk": F("session_id"),
+        }
+    elif group == "user":
+        by = {"username": F("owner__username")}
+    else:
+        by = {"day": TruncDate("finished_at")}
+    rows = []
+    found = cast(Iterable[dict[str, Any]], turns.values(**by).annotate(**_sums()).order_by())
+    for row in found:
+        if not row["turns"]:
             continue
         if group == "dialog":
-            key, label = f"{channel}:{chat_id}:{dialog_id}", title
+            key, label = f"{row['channel']}:{row['chat_id']}:{row['dialog_id']}", row["title"]
         elif group == "user":
-            key, label = username, username
+            key = label = row["username"]
         else:
-            key = label = finished.date().isoformat()
-        groups.setdefault(key, (label, []))[1].append(usage)
-    return [
-        {"key": key, "label": label, **usage_sum(rows)} for key, (label, rows) in groups.items()
-    ]
+            key = label = row["day"].isoformat()
+        rows.append({"key": key, "label": label, **_ints(row)})
+    return rows
 
 
 def usage_sum_rows(rows: Iterable[dict[str, Any]]) -> dict[str, int]:

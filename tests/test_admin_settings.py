@@ -15,7 +15,7 @@ from sessions_app import services
 from sessions_app.models import Session, Turn, TurnStatus
 from tests.fakemodel import FakeModelServer
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.both_dbs]
 
 USAGE = reverse("admin:sessions_app_session_usage")
 
@@ -104,7 +104,8 @@ def test_the_usage_table_sums_per_dialog_user_and_day_and_sorts(
     finished_turn(a1, 1, {"prompt_tokens": 100, "completion_tokens": 10, **cached})
     finished_turn(a1, 2, {"prompt_tokens": 200, "completion_tokens": 20})
     finished_turn(a2, 1, {"prompt_tokens": 1000, "completion_tokens": 1}, days_ago=3)
-    finished_turn(b1, 1, {"prompt_tokens": 5, "completion_tokens": 5}, days_ago=40)
+    finished_turn(b1, 1, {"prompt_tokens": 5, "completion_tokens": 5.0}, days_ago=40)
+    finished_turn(b1, 2, {}, days_ago=40)  # a server that reported nothing
 
     changelist = client.get(reverse("admin:sessions_app_session_changelist"))
     assert USAGE in changelist.content.decode()
@@ -114,6 +115,7 @@ def test_the_usage_table_sums_per_dialog_user_and_day_and_sorts(
     rows = [(r["key"], r["prompt_tokens"], r["cached_tokens"]) for r in by_user.context["rows"]]
     assert rows == [("ann", 1300, 50), ("bob", 5, 0)]
     assert by_user.context["totals"]["turns"] == 4
+    assert by_user.context["totals"]["total_tokens"] == 1341
 
     by_dialog = client.get(USAGE, {"group": "dialog", "period": "30", "o": "completion_tokens"})
     keys = [r["key"] for r in by_dialog.context["rows"]]

@@ -226,6 +226,8 @@ class Turn(models.Model):
     partial_text = models.TextField(blank=True, default="")
     cancel_requested = models.BooleanField(default=False)
     usage = models.JSONField(default=dict, blank=True)
+    # H4: the model a completed turn asked (its usage is that model's).
+    model = models.CharField(max_length=200, blank=True, default="")
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 

@@ -261,4 +261,5 @@ class TurnOut(Schema):
     )
     client_msg_id: str | None
     messages: list[MessageOut] = Field(description="The turn's committed messages.")
+    model: str | None = Field(None, description="The model a completed turn asked (H4).")
     usage: UsageOut = Field(description="What the model reported for this turn (H4).")

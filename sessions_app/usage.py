@@ -67,8 +67,9 @@ def session_usage(*, session_pk: str) -> dict[str, int]:
 
 
 def usage_rows(*, group: str, since: datetime | None = None) -> list[dict[str, Any]]:
-    """Totals per `group` ("dialog", "user" or "day"), for the admin's table: each row has
-    `key` (the session id, the username or the ISO date), `label` and the sums."""
+    """Totals per `group` ("dialog", "user", "model" or "day"), for the admin's table: each row has
+    `key` (the session id, the username or the ISO date), `label` and the sums. "model":
+    per model the turns asked."""
     turns = _completed().exclude(finished_at=None)
     if since is not None:
         turns = turns.filter(finished_at__gte=since)
@@ -82,6 +83,8 @@ def usage_rows(*, group: str, since: datetime | None = None) -> list[dict[str, A
         }
     elif group == "user":
         by = {"username": F("owner__username")}
+    elif group == "model":
+        by = {"asked": F("model")}
     else:
         by = {"day": TruncDate("finished_at")}
     rows = []
@@ -93,6 +96,8 @@ def usage_rows(*, group: str, since: datetime | None = None) -> list[dict[str, A
             key, label = f"{row['channel']}:{row['chat_id']}:{row['dialog_id']}", row["title"]
         elif group == "user":
             key = label = row["username"]
+        elif group == "model":
+            key = label = row["asked"] or "-"
         else:
             key = label = row["day"].isoformat()
         rows.append({"key": key, "label": label, **_ints(row)})

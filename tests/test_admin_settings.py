@@ -44,13 +44,16 @@ def dialog(owner: Any, dialog_id: str, title: str | None = None) -> Session:
     )
 
 
-def finished_turn(session: Session, number: int, usage: dict[str, Any], days_ago: int = 0) -> None:
+def finished_turn(
+    session: Session, number: int, usage: dict[str, Any], days_ago: int = 0, model: str = "fake"
+) -> None:
     Turn.objects.create(
         session=session,
         owner=session.owner,
         number=number,
         status=TurnStatus.COMPLETED,
         usage=usage,
+        model=model,
         finished_at=timezone.now() - timedelta(days=days_ago),
     )
 
@@ -94,7 +97,7 @@ def test_the_dialog_page_sets_the_model_and_system_prompt(
     assert Session.objects.get(pk=s.pk).model == ""
 
 
-def test_the_usage_table_sums_per_dialog_user_and_day_and_sorts(
+def test_the_usage_table_sums_per_dialog_user_model_and_day_and_sorts(
     client: Client, operator: Any, make_user: Callable[..., Any]
 ) -> None:
     # covers: H4, E2
@@ -103,7 +106,7 @@ def test_the_usage_table_sums_per_dialog_user_and_day_and_sorts(
     cached = {"prompt_tokens_details": {"cached_tokens": 50}}
     finished_turn(a1, 1, {"prompt_tokens": 100, "completion_tokens": 10, **cached})
     finished_turn(a1, 2, {"prompt_tokens": 200, "completion_tokens": 20})
-    finished_turn(a2, 1, {"prompt_tokens": 1000, "completion_tokens": 1}, days_ago=3)
+    finished_turn(a2, 1, {"prompt_tokens": 1000, "completion_tokens": 1}, 3, "big-model")
     finished_turn(b1, 1, {"prompt_tokens": 5, "completion_tokens": 5.0}, days_ago=40)
     finished_turn(b1, 2, {}, days_ago=40)  # a server that reported nothing
 
@@ -121,6 +124,10 @@ def test_the_usage_table_sums_per_dialog_user_and_day_and_sorts(
     keys = [r["key"] for r in by_dialog.context["rows"]]
     assert keys == [a2.session_id, a1.session_id]  # bob's is older than 30 days
     assert "Ann two" in by_dialog.content.decode()
+
+    by_model = client.get(USAGE, {"group": "model", "period": "all", "o": "key"})
+    rows = [(r["key"], r["prompt_tokens"], r["turns"]) for r in by_model.context["rows"]]
+    assert rows == [("big-model", 1000, 1), ("fake", 305, 3)]
 
     by_day = client.get(USAGE, {"group": "day", "period": "7"})
     days = [r["key"] for r in by_day.context["rows"]]

@@ -257,6 +257,7 @@ async def test_new_keeps_the_model_and_info_shows_it_with_the_usage(
     status, turn = await api.get(f"/turns/{done['turn_id']}")
     assert status == 200, turn
     assert turn["usage"] == {"prompt_tokens": 1200, "completion_tokens": 34, "cached_tokens": 1024}
+    assert turn["model"] == "big-model"
     status, state = await api.get(f"/sessions/{ws.history['session_id']}")
     assert status == 200, state
     assert state["usage"] == {

@@ -154,7 +154,8 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
         "messages": [events.message_frame(m) for m in turn.messages.order_by("seq")],
-        # H4: what the model reported for this turn.
+        # H4: the model it asked and what that model reported.
+        "model": turn.model or None,
         "usage": usage.usage_of(turn.usage),
     }
 

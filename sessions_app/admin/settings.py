@@ -32,6 +32,7 @@ DIALOG_SETTINGS_FIELDSET: Any = (
 GROUPS = {
     "dialog": _("Dialog"),
     "user": _("User"),
+    "model": _("Model"),
     "day": _("Day"),
 }
 PERIODS = {"1": _("Today"), "7": _("Last 7 days"), "30": _("Last 30 days"), "all": _("All time")}

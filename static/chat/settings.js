@@ -25,7 +25,7 @@ var modelsAt = 0;
 var modelsLoading = null;
 // client_msg_id -> true for the `settings` frames this page sent (their errors are ours).
 var asked = {};
-// turn id -> its usage (or null while it loads), read once per page.
+// turn id -> {usage, model} (or null while it loads), read once per page.
 var usages = {};
 
 // --- Frames -------------------------------------------------------------------------------
@@ -298,15 +298,16 @@ function formatNumber(n) {
   return Number(n || 0).toLocaleString(config.language || undefined);
 }
 
-function usageLine(usage) {
-  if (!usage || !(usage.prompt_tokens || usage.completion_tokens)) {
-    return t("usage_unavailable");
-  }
-  return t("usage_line", {
-    prompt: formatNumber(usage.prompt_tokens),
-    cached: formatNumber(usage.cached_tokens),
-    completion: formatNumber(usage.completion_tokens),
-  });
+function usageLine(turn) {
+  var usage = turn.usage;
+  var line = !usage || !(usage.prompt_tokens || usage.completion_tokens)
+    ? t("usage_unavailable")
+    : t("usage_line", {
+        prompt: formatNumber(usage.prompt_tokens),
+        cached: formatNumber(usage.cached_tokens),
+        completion: formatNumber(usage.completion_tokens),
+      });
+  return turn.model ? line + " · " + turn.model : line;
 }
 
 function showUsage(button) {
@@ -333,7 +334,7 @@ function showUsage(button) {
           delete usages[turn];
           return;
         }
-        usages[turn] = data.usage || {};
+        usages[turn] = { usage: data.usage || {}, model: data.model || "" };
         line.textContent = usageLine(usages[turn]);
         line.hidden = false;
       },

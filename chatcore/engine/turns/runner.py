@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from chatcore.common.llm_models import DEMO_MODEL
 from sessions_app.models import MessageKind, MessageStatus
 
 from ..provider_errors import answer_token_limit, merge_usage
@@ -388,6 +389,7 @@ class TurnRunner:
                 messages=self.pending,
                 usage=self.usage,
                 notice=Notice.EMPTY if empty_answer else "",
+                model=self.asked_model(),
             )
 
     def _answer(self, text: str, status: str = "") -> PendingMessage:
@@ -408,7 +410,13 @@ class TurnRunner:
             notice = Notice.TRUNCATED if status == MessageStatus.TRUNCATED else Notice.FILTERED
         else:
             notice = Notice.FILTERED if status == MessageStatus.FILTERED else Notice.EMPTY
-        return Completed(messages=self.pending, usage=self.usage, notice=notice)
+        return Completed(
+            messages=self.pending, usage=self.usage, notice=notice, model=self.asked_model()
+        )
+
+    def asked_model(self) -> str:
+        """H4: the model this turn asked (the dialog's, else the provider's own)."""
+        return self.model or getattr(self.provider, "model", None) or DEMO_MODEL
 
     def max_tokens(self) -> int:
         return answer_token_limit(

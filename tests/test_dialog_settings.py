@@ -304,3 +304,21 @@ def test_llm_context_windows_reads_name_equals_tokens(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LLM_CONTEXT_WINDOWS", "gpt-4o:128000")
     with pytest.raises(ValueError, match="name=tokens"):
         _env_windows("LLM_CONTEXT_WINDOWS")
+
+
+async def test_the_model_command_lists_and_chooses(
+    connect: Any, user: Any, fake_model: FakeModelServer
+) -> None:
+    # covers: H4, B3
+    ws = await connect(user)
+    listed = await ws.ask({"type": "send", "content": "/model", "client_msg_id": "l1"})
+    assert listed["type"] == "command_result" and listed["ok"], listed
+    assert listed["content"].splitlines()[1:] == ["* fake", "- big-model", "- small-model"]
+    chosen = await ws.ask({"type": "send", "content": "/model big-model", "client_msg_id": "c1"})
+    assert chosen["content"] == "This dialog now uses big-model."
+    updated = await ws.until(lambda f: f["type"] == "session_updated")
+    assert updated[-1]["model"] == "big-model"
+    refused = await ws.ask({"type": "send", "content": "/model nope", "client_msg_id": "c2"})
+    assert (refused["type"], refused["code"]) == ("error", "bad_request")
+    row = await Session.objects.aget(dialog_id=ws.history["dialog_id"], owner=user)
+    assert row.model == "big-model"

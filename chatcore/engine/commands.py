@@ -23,7 +23,9 @@ from sessions_app import selectors, services, usage
 from sessions_app.models import Session
 
 from . import limits
+from .dialog_settings import dialog_settings_update
 from .dialogs import delete_dialog
+from .model_catalog import process_catalog
 from .sessions import SessionStates, dialog_after_delete, dialog_create
 
 if TYPE_CHECKING:
@@ -298,6 +300,32 @@ async def _compact(ctx: CommandContext, args: str) -> CommandResult:
 
         await on_db(background.request_compaction)(session_pk=session.pk, manual=True)
     return CommandResult("compact", _("Compaction started; you will be told when it is done."))
+
+
+@command(
+    "model",
+    usage="/model [name]",
+    help=gettext_lazy("Show the models, or choose the current dialog's"),
+    takes_args=True,
+    writes=True,
+)
+async def _model(ctx: CommandContext, args: str) -> CommandResult:
+    """H4: what a chat app or the terminal has for the web chat's model picker."""
+    session = _require_current(ctx)
+    catalog = ctx.engine.models if ctx.engine is not None else process_catalog()
+    if args:
+        # Its `session_updated` reaches the chat's clients through the chat group.
+        session = await dialog_settings_update(engine=ctx.engine, session=session, model=args)
+        return CommandResult(
+            "model",
+            _("This dialog now uses %(model)s.") % {"model": session.effective_model},
+            current=session,
+        )
+    fresh = await on_db(Session.objects.get)(pk=session.pk)
+    lines = [_("Models (the current dialog's is marked):")] + [
+        f"{'*' if name == fresh.effective_model else '-'} {name}" for name in await catalog.aids()
+    ]
+    return CommandResult("model", "\n".join(lines))
 
 
 @command("help", usage="/help", help=gettext_lazy("Show this help"))

@@ -322,3 +322,19 @@ async def test_the_model_command_lists_and_chooses(
     assert (refused["type"], refused["code"]) == ("error", "bad_request")
     row = await Session.objects.aget(dialog_id=ws.history["dialog_id"], owner=user)
     assert row.model == "big-model"
+
+
+async def test_the_system_prompt_is_counted_in_the_input(
+    api: Api, fake_model: FakeModelServer
+) -> None:
+    # covers: H4, C7
+    long_prompt = "Always answer in haiku form, please. " * 100
+    plain = await api.create(dialog_id="plain")
+    instructed = await api.create(dialog_id="instructed")
+    await api.patch(f"/sessions/{instructed['session_id']}", {"system_prompt": long_prompt})
+    for s in (plain, instructed):
+        ack = await api.send(s["session_id"], "the same question")
+        await api.turn_done(ack["turn_id"])
+    without, with_prompt = turn_bodies(fake_model)
+    # The answer's room is what the window leaves after the input: the prompt's tokens less.
+    assert without["max_tokens"] - with_prompt["max_tokens"] > 500

@@ -46,7 +46,7 @@ from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack
 from chatcore.engine.sessions import dialog_create
 
-from . import selectors, services
+from . import selectors, services, usage
 from .api_auth import request_login
 from .connection import build_inbound
 from .models import Session
@@ -143,7 +143,11 @@ async def list_sessions(
         items, count = selectors.session_list_for_owner(
             owner_id=user.pk, channel=channel, chat_id=chat_id, limit=limit, offset=offset
         )
-        return {"items": [clientstate.session_state(s, engine) for s in items], "count": count}
+        used = usage.sessions_usage(session_pks=[s.pk for s in items])
+        return {
+            "items": [clientstate.session_state(s, engine, used[s.pk]) for s in items],
+            "count": count,
+        }
 
     return await on_db_idempotent(read)()
 

@@ -135,6 +135,10 @@ async def test_a_dialogs_model_and_system_prompt_go_into_its_turns_and_no_other(
     _, listed = await api.get("/sessions", channel="api")
     models = {item["dialog_id"]: item["model"] for item in listed["items"]}
     assert models == {"pirate": "big-model", "plain": "fake"}
+    # The fake reports 10 prompt and 5 completion tokens per answer.
+    assert [item["usage"] for item in listed["items"]] == [
+        {"prompt_tokens": 10, "completion_tokens": 5, "cached_tokens": 0, "turns": 1}
+    ] * 2
 
     # Empty clears the instructions; the model stays.
     status, data = await api.patch(f"/sessions/{chosen['session_id']}", {"system_prompt": ""})

@@ -111,8 +111,11 @@ def session_history_frame(
     )
 
 
-def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
-    """A dialog as the REST API returns it."""
+def session_state(
+    session: Session, engine: Engine | None, used: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A dialog as the REST API returns it; `used`: its usage totals, when read already (a
+    page of dialogs reads them in one query)."""
     snapshot = active_turn(session, engine)
     return {
         "session_id": session.session_id,
@@ -131,7 +134,7 @@ def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
         # H4: the dialog's settings and what its turns used.
         "model": session.effective_model,
         "system_prompt": session.system_prompt,
-        "usage": usage.session_usage(session_pk=session.pk),
+        "usage": used if used is not None else usage.session_usage(session_pk=session.pk),
     }
 
 

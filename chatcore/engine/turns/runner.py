@@ -414,8 +414,7 @@ class TurnRunner:
             messages=self.pending, usage=self.usage, notice=notice, model=self.asked_model()
         )
 
-    def asked_model(self) -> str:
-        """H4: the model this turn asked (the dialog's, else the provider's own)."""
+    def asked_model(self) -> str:  # H4: the dialog's model, else the provider's own
         return self.model or getattr(self.provider, "model", None) or DEMO_MODEL
 
     def max_tokens(self) -> int:

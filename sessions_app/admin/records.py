@@ -52,6 +52,7 @@ class TurnAdmin(ReadOnlyAdmin):
         "reason",
         "error_kind",
         "mode",
+        "model",
         "started_at",
         "finished_at",
     )

@@ -81,13 +81,21 @@ def test_a_picked_model_is_asked_by_the_next_send_and_kept_per_dialog(
     page.locator(f'.dialog-item[data-dialog-id="{first}"] .dialog-open').click()
     expect(page.locator("#model-name")).to_have_text("pirate-llm")
 
-    # Arrow keys move through the list; Esc closes it and keeps the answer going.
+    # Arrow keys move through the list; Esc closes it and leaves the running answer alone
+    # (the next Esc stops it).
+    model.script(Reply(text="a long answer", endless=True))
+    tab.send("tell me everything")
+    tab.wait_stream_contains("a long answer")
     page.locator("#model-button").click()
     page.locator("#model-search").press("ArrowDown")
     expect(page.locator("#model-list .model-option").first).to_be_focused()
     page.keyboard.press("Escape")
     expect(page.locator("#model-picker")).to_be_hidden()
     expect(page.locator("#model-button")).to_be_focused()
+    expect(page.locator("#stop-button")).to_be_visible()
+    assert not tab.frames_sent("stop")
+    page.keyboard.press("Escape")
+    expect(page.locator("#stop-button")).to_be_hidden()
 
 
 def test_the_settings_panel_sets_the_system_prompt_and_answers_show_their_tokens(

@@ -33,6 +33,17 @@ def _env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def _env_windows(name: str) -> dict[str, int]:
+    """`name=tokens,...` (H4: a context window per model); a malformed entry stops the start."""
+    windows: dict[str, int] = {}
+    for item in _env_list(name):
+        model, sep, tokens = item.rpartition("=")
+        if not sep or not model.strip() or not tokens.strip().isdigit():
+            raise ValueError(f"{name} takes name=tokens,... (not {item!r})")
+        windows[model.strip()] = int(tokens)
+    return windows
+
+
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name, "").strip() or default
     if raw not in choices:
@@ -362,6 +373,12 @@ LLM: dict[str, Any] = {
     "API_KEY": os.environ.get("LLM_API_KEY", ""),
     "MODEL": os.environ.get("LLM_MODEL", "gpt-4o-mini"),
     "CONTEXT_WINDOW": _env_int("LLM_CONTEXT_WINDOW", 32768),
+    # H4: the models offered (what the server lists, narrowed to these when set), the context
+    # window of each model that differs from CONTEXT_WINDOW, and how long a list is kept.
+    "MODELS": _env_list("LLM_MODELS"),
+    "CONTEXT_WINDOWS": _env_windows("LLM_CONTEXT_WINDOWS"),
+    "MODELS_REFRESH_SECONDS": 300,
+    "MODELS_TIMEOUT": 5.0,
     "CONNECT_TIMEOUT": 10.0,
     "READ_TIMEOUT": 120.0,
     "MAX_RETRIES": 3,

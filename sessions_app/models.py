@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from chatcore.common.ids import new_uuid
+from chatcore.common.llm_models import default_model
 
 from .choices import TERMINAL_STATUSES as TERMINAL_STATUSES
 from .choices import MessageKind as MessageKind
@@ -65,6 +66,10 @@ class Session(models.Model):
     lease_epoch = models.BigIntegerField(_("lease epoch"), default=0)
     # C8: the session plan tool's state.
     plan = models.TextField(_("plan"), blank=True, default="")
+    # H4: the dialog's model ("" = the server's default, `LLM_MODEL`) and its own
+    # instructions, sent in the first (system) message after the platform's.
+    model = models.CharField(_("model"), max_length=200, blank=True, default="")
+    system_prompt = models.TextField(_("system prompt"), blank=True, default="")
     deleted_at = models.DateTimeField(_("deleted at"), null=True, blank=True, db_index=True)
 
     class Meta:
@@ -96,6 +101,11 @@ class Session(models.Model):
     @property
     def default_title(self) -> str:
         return f"Dialog {self.dialog_id}"
+
+    @property
+    def effective_model(self) -> str:
+        """H4: the model a turn of this dialog asks (its own, else the default)."""
+        return self.model or default_model()
 
 
 class Message(models.Model):
@@ -210,6 +220,8 @@ class Turn(models.Model):
     partial_text = models.TextField(_("partial text"), blank=True, default="")
     cancel_requested = models.BooleanField(_("cancel requested"), default=False)
     usage = models.JSONField(_("usage"), default=dict, blank=True)
+    # H4: the model a completed turn asked (its usage is that model's).
+    model = models.CharField(_("model"), max_length=200, blank=True, default="")
     started_at = models.DateTimeField(_("started"), null=True, blank=True)
     finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
 

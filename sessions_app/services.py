@@ -95,6 +95,7 @@ def session_create_with_history(
     chat_id: str,
     dialog_id: str | None = None,
     title: str | None = None,
+    model: str = "",
 ) -> tuple[Session, list[Message]]:
     """`session_create`, with the new dialog's whole history as stored (its welcome message):
     for the engine's history cache, which then holds the dialog from its start (G6)."""
@@ -129,6 +130,7 @@ def session_create_with_history(
                 dialog_id=key.dialog_id,
                 created_at=now,
                 last_active_at=now,
+                model=model,
             )
             session.title = clean or session.default_title
             session.title_source = TitleSource.USER if clean else TitleSource.DEFAULT

@@ -176,11 +176,12 @@ class OpenAIProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
+        model: str | None = None,
     ) -> PreparedRequest:
         """The request `stream` would send for this input, made now, on any thread (a turn's
         first request is made where its input is built, off the event loop, F7); `stream`
-        given it sends it as it is."""
-        payload = self._payload(messages, tools, max_tokens)
+        given it sends it as it is. `model`: the dialog's (H4), else this provider's."""
+        payload = self._payload(messages, tools, max_tokens, model)
         return PreparedRequest(self._request(encode_body(payload)), payload, self._limits())
 
     async def stream(
@@ -191,14 +192,16 @@ class OpenAIProvider:
         purpose: str = "turn",
         max_tokens: int | None = None,
         prepared: PreparedRequest | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         """`prepared`: this input's request from `prepare_request`, sent as it is unless
-        what the server taught this provider about the answer limit changed since."""
+        what the server taught this provider about the answer limit changed since.
+        `model`: the dialog's (H4), else this provider's."""
         request = None
         if prepared is not None and prepared.limits == self._limits():
             payload, request = prepared.payload, prepared.request
         else:
-            payload = self._payload(messages, tools, max_tokens)
+            payload = self._payload(messages, tools, max_tokens, model)
         attempt = 0
         adjusted = False
         while True:
@@ -230,9 +233,10 @@ class OpenAIProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         max_tokens: int | None,
+        model: str | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
-            "model": self.model,
+            "model": model or self.model,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},

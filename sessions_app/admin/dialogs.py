@@ -33,6 +33,11 @@ from .. import services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
 from .history import AuditHistoryMixin, ViewRecordedMixin, admin_actor
+from .settings import (
+    DIALOG_SETTINGS_FIELDSET,
+    DialogSettingsAdminMixin,
+    DialogSettingsFormMixin,
+)
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -98,10 +103,10 @@ class MessageInline(admin.TabularInline):
         return message_preview(obj, INLINE_CONTENT_CHARS)
 
 
-class SessionAdminForm(forms.ModelForm):
+class SessionAdminForm(DialogSettingsFormMixin, forms.ModelForm):
     class Meta:
         model = Session
-        fields = ("title",)
+        fields = ("title", "model", "system_prompt")
 
     def clean_title(self) -> str:
         # The same rules as a rename from the web chat (B4), reported as a form error.
@@ -112,7 +117,9 @@ class SessionAdminForm(forms.ModelForm):
 
 
 @admin.register(Session)
-class SessionAdmin(ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin):
+class SessionAdmin(
+    DialogSettingsAdminMixin, ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin
+):
     form = SessionAdminForm
     audit_target_type = "dialog"
     inlines = (MessageInline,)
@@ -168,6 +175,7 @@ class SessionAdmin(ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin):
                 )
             },
         ),
+        DIALOG_SETTINGS_FIELDSET,
         (
             _("Engine state"),
             {
@@ -202,6 +210,7 @@ class SessionAdmin(ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin):
         "lease_owner",
         "lease_expires_at",
         "plan",
+        "usage_display",
     )
 
     @admin.display(description=_("session id"))
@@ -256,6 +265,8 @@ class SessionAdmin(ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin):
                 )
             except ChatError as exc:
                 self.message_user(request, exc.message, level=messages.ERROR)
+        if change:
+            self.save_dialog_settings(request, obj, form)
 
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         # The message inline is read-only; nothing of a dialog's history is written here.

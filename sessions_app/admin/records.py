@@ -65,6 +65,7 @@ class TurnAdmin(ViewRecordedMixin, ReadOnlyAdmin):
         "reason",
         "error_kind",
         "mode",
+        "model",
         "started_at",
         "finished_at",
     )

@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0009_ids_from_blocks_of_randomness"),
+        ("sessions_app", "0013_dialog_settings"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -53,6 +53,8 @@ class Completed:
     messages: list[PendingMessage]
     usage: dict[str, Any] = field(default_factory=dict)
     notice: str = ""
+    # H4: the model the turn asked.
+    model: str = ""
 
 
 @dataclass

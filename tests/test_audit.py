@@ -303,13 +303,13 @@ def test_ensure_demo_user_reset_of_flags_is_recorded_as_system(make_user: Any) -
     # covers: H5
     demo = make_user("demo")
     assert not demo.is_staff
-    call_command("ensure_demo_user", "--reset", stdout=io.StringIO())
+    call_command("ensure_demo_user", "--reset", "--staff", stdout=io.StringIO())
     change = only(Action.USER_CHANGE)
     assert (change.actor, change.target_id) == ("system", str(demo.pk))
     assert change.details["is_staff"] == [False, True]
     assert change.details["via"] == "manage.py ensure_demo_user"
     # Nothing changes the second time: nothing recorded.
-    call_command("ensure_demo_user", "--reset", stdout=io.StringIO())
+    call_command("ensure_demo_user", "--reset", "--staff", stdout=io.StringIO())
     assert AuditEvent.objects.filter(action=Action.USER_CHANGE).count() == 1
 
 

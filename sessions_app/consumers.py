@@ -30,7 +30,7 @@ from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_pa
 from chatcore.engine import commands, runtime
 
 from . import logins, selectors
-from .connection import ChannelConnection
+from .connection import ChannelConnection, resolve_attachments
 from .frames import optional_int, parse_client_frame
 from .models import Session
 from .ws_events import CHANNEL, ChatEventsConsumer
@@ -253,8 +253,13 @@ class ChatConsumer(ChatEventsConsumer):
         if not isinstance(content, str):
             raise BadRequest(_("content must be a string."))
         target = await self._target(data)
+        attachments = await resolve_attachments(self.conn.user, data.get("attachments"))
         answer = await self.conn.send_or_command(
-            content, target, mode=mode, client_msg_id=client_msg_id or ""
+            content,
+            target,
+            mode=mode,
+            client_msg_id=client_msg_id or "",
+            attachments=attachments,
         )
         if isinstance(answer, commands.CommandResult):
             await self._command_done(answer, target, client_msg_id)

@@ -47,7 +47,7 @@ from chatcore.engine.sessions import dialog_create
 
 from . import selectors, services
 from .api_auth import request_login
-from .connection import build_inbound
+from .connection import build_inbound, resolve_attachments
 from .models import Session
 from .schemas import (
     ID_PATTERN,
@@ -294,6 +294,7 @@ async def post_message(
         content=payload.content,
         mode=payload.mode,
         client_msg_id=payload.client_msg_id or "",
+        attachments=await resolve_attachments(user, payload.attachments),
     )
     if wants_stream(request):
         return await stream(

@@ -129,8 +129,14 @@ class SessionListOut(Schema):
 
 
 class MessageIn(Schema):
-    content: Annotated[Text, Field(min_length=1)] = Field(
-        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
+    content: Text = Field(
+        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413); "
+        "empty only beside attachments."
+    )
+    attachments: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        None,
+        description="Ids of the caller's own files (POST /files) to send with a `send`, at "
+        "most CHAT_ATTACHMENTS_MAX (default 10) (H3).",
     )
     client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
     mode: Literal["send", "steer", "inject"] = Field(
@@ -142,6 +148,20 @@ class MessageIn(Schema):
 
 class RetryIn(Schema):
     client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+
+
+class AttachmentOut(Schema):
+    """A file a message carries (PROTOCOL "Files and images")."""
+
+    file_id: str
+    name: str
+    size: int
+    content_type: str
+    kind: Literal["image", "text", "document"]
+
+
+class FileOut(AttachmentOut):
+    """An uploaded file (POST /files)."""
 
 
 class MessageOut(Schema):
@@ -167,6 +187,9 @@ class MessageOut(Schema):
         "cut answer a continuation goes on with.",
     )
     turn_id: str | None = None
+    attachments: list[AttachmentOut] | None = Field(
+        None, description="The files a user message carries (H3)."
+    )
 
 
 class MessagePageOut(Schema):

@@ -24,6 +24,7 @@ from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
+from .files import file_uses_record, session_delete_with_files
 from .models import (
     ApiToken,
     Message,
@@ -294,8 +295,8 @@ def session_restore(*, session: Session) -> Session:
 
 
 def session_purge(*, session: Session) -> None:
-    """Physical delete with cascade (A7)."""
-    storage_retry(lambda: Session.objects.filter(pk=session.pk).delete(), what="session_purge")
+    """Physical delete with cascade (A7), and the files only it used (H3)."""
+    storage_retry(lambda: session_delete_with_files(session_pk=session.pk), what="session_purge")
 
 
 def sessions_purge_expired(*, now: datetime | None = None) -> int:
@@ -310,10 +311,7 @@ def sessions_purge_expired(*, now: datetime | None = None) -> int:
 
 
 def _purge_one(pk: str) -> None:
-    def write() -> None:
-        Session.objects.filter(pk=pk).delete()
-
-    storage_retry(write, what="purge")
+    storage_retry(lambda: session_delete_with_files(session_pk=pk), what="purge")
 
 
 def session_touch(*, session_pk: str) -> None:
@@ -384,6 +382,8 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
+    if any(m.media_refs for m in messages):
+        file_uses_record(session_pk=locked.pk, refs=[r for m in messages for r in m.media_refs])
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
     locked.total_message_count += len(rows)

@@ -43,11 +43,15 @@ def compact_session(session_pk: str, manual: bool = False) -> int | None:
 
 @shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
 def purge_deleted_sessions() -> int:
-    from sessions_app import services
+    from sessions_app import files, services
 
     count = services.sessions_purge_expired()
     if count:
         logger.info("purged %d dialogs past retention", count)
+    # H3: uploads older than a day that no message attached.
+    swept = files.files_sweep_unused()
+    if swept:
+        logger.info("swept %d unused uploads", swept)
     return count
 
 

@@ -14,7 +14,7 @@ from django.conf import settings
 
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
-from sessions_app import services, storage
+from sessions_app import files, services, storage
 
 from . import queue
 
@@ -88,6 +88,7 @@ async def sweep_loop(engine: ControlHandler) -> None:
                 last_evict = time.monotonic()
                 engine.evict_idle()
                 await on_db(services.sessions_purge_expired)()
+                await on_db(files.files_sweep_unused)()
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from django.conf import settings
@@ -43,6 +43,7 @@ from .base import (
     handle_incoming,
     settle_event,
 )
+from .media import PlatformMedia, download, unavailable
 from .render import feishu_markdown
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,16 @@ def _card(markdown: str) -> str:
         },
         ensure_ascii=False,
     )
+
+
+def _media(kind: str, content: dict[str, Any], message_id: str) -> tuple[PlatformMedia, ...]:
+    """H3: the image (`image_key`) or file (`file_key`, `file_name`) of a message."""
+    if kind == "image" and content.get("image_key"):
+        return (PlatformMedia(str(content["image_key"]), f"image-{message_id}.png", kind="image"),)
+    if kind == "file" and content.get("file_key"):
+        name = str(content.get("file_name") or "file")
+        return (PlatformMedia(str(content["file_key"]), name, kind="file"),)
+    return ()
 
 
 class FeishuClient(PlatformClient):
@@ -166,6 +177,21 @@ class FeishuClient(PlatformClient):
 
     async def send(self, chat_id: str, rendered: str, *, reply_to: str | None) -> str:
         return await self._post(chat_id, "interactive", _card(rendered), reply_to)
+
+    async def download(
+        self, message: IncomingMessage, media: PlatformMedia
+    ) -> tuple[IO[bytes], int]:
+        """H3: a message's image or file (`im/v1/messages/{id}/resources/{key}`)."""
+        try:
+            token = await self.token()
+        except (DeliveryError, httpx.HTTPError, ValueError):
+            raise unavailable() from None
+        return await download(
+            self.http,
+            f"{self.base}/open-apis/im/v1/messages/{message.message_id}/resources/{media.key}",
+            params={"type": media.kind},
+            headers={"Authorization": f"Bearer {token}"},
+        )
 
     async def edit(self, chat_id: str, message_id: str, rendered: str) -> None:
         await self.call("PATCH", f"im/v1/messages/{message_id}", {"content": _card(rendered)})
@@ -253,11 +279,16 @@ class FeishuAdapter(Adapter):
         body = event.get("event") or {}
         message = body.get("message") or {}
         sender = body.get("sender") or {}
-        if sender.get("sender_type") not in (None, "user") or message.get("message_type") != "text":
+        kind = message.get("message_type")
+        if sender.get("sender_type") not in (None, "user") or kind not in ("text", "image", "file"):
             return None
         try:
-            text = str(json.loads(message.get("content") or "{}").get("text", ""))
-        except ValueError:
+            content = json.loads(message.get("content") or "{}")
+            text = str(content.get("text", "")) if kind == "text" else ""
+            media = _media(str(kind), content, str(message.get("message_id", "")))
+        except (ValueError, AttributeError):
+            return None
+        if kind != "text" and not media:
             return None
         chat_id = message.get("chat_id")
         sender_id = (sender.get("sender_id") or {}).get("open_id")
@@ -285,6 +316,7 @@ class FeishuAdapter(Adapter):
             text=text,
             addressed=not is_group or mentioned or replied,
             reply_to_message_id=str(parent) if parent else None,
+            media=media,
         )
 
     async def handle_event(self, event: dict[str, Any]) -> str:

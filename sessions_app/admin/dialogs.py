@@ -23,6 +23,7 @@ from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
 from django.template.defaultfilters import linebreaksbr
 from django.template.response import TemplateResponse
+from django.utils.html import format_html
 from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -32,6 +33,7 @@ from chatcore.engine.dialogs import delete_dialog
 
 from .. import services
 from ..models import Message, Session, TitleSource, Turn
+from .files import attachments_html, files_url
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -74,7 +76,7 @@ class MessageInline(admin.TabularInline):
     model = Message
     formset = MessageWindowFormSet
     template = "admin/sessions_app/session/message_inline.html"
-    fields = ("seq", "role", "content_preview", "status", "created_at")
+    fields = ("seq", "role", "content_preview", "attachments", "status", "created_at")
     readonly_fields = fields
     ordering = ("seq",)
     extra = 0
@@ -94,6 +96,10 @@ class MessageInline(admin.TabularInline):
     def content_preview(self, obj: Message) -> str:
         # Long answers are cut here; the message's own page shows all of it.
         return linebreaksbr(Truncator(obj.content).chars(INLINE_CONTENT_CHARS), autoescape=True)
+
+    @admin.display(description=_("attachments"))
+    def attachments(self, obj: Message) -> str:
+        return attachments_html(obj.media_refs or [])  # H3
 
 
 class SessionAdminForm(forms.ModelForm):
@@ -162,6 +168,7 @@ class SessionAdmin(admin.ModelAdmin):
                     "deleted_at",
                     "message_count",
                     "total_message_count",
+                    "files_link",
                 )
             },
         ),
@@ -193,6 +200,7 @@ class SessionAdmin(admin.ModelAdmin):
         "deleted_at",
         "message_count",
         "total_message_count",
+        "files_link",
         "last_seq",
         "state_version",
         "turn_counter",
@@ -200,6 +208,12 @@ class SessionAdmin(admin.ModelAdmin):
         "lease_expires_at",
         "plan",
     )
+
+    @admin.display(description=_("files"))
+    def files_link(self, obj: Session) -> str:
+        # H3: the files this dialog's messages attached.
+        count = obj.file_uses.count()
+        return format_html('<a href="{}">{}</a>', files_url(session=obj.pk), count)
 
     @admin.display(description=_("session id"))
     def session_id_display(self, obj: Session) -> str:

@@ -26,6 +26,7 @@ from django.http import (
     HttpResponseBase,
     JsonResponse,
 )
+from django.http.multipartparser import MultiPartParserError
 from django.urls import URLPattern, URLResolver
 from django.utils.translation import gettext as _
 from ninja import NinjaAPI
@@ -263,6 +264,9 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
         return _error(413, "too_large", _("The request body is too large."))
     if isinstance(exc, SuspiciousOperation):
         return _error(400, "bad_request", _("Bad request."))
+    if isinstance(exc, MultiPartParserError):
+        # H3: a multipart body without a boundary, or cut short.
+        return _error(400, "bad_request", _("The multipart body could not be read."))
     logger.exception("API request failed: %s %s", request.method, request.path)
     return _error(500, "internal_error", _("Internal error."))
 

@@ -59,6 +59,19 @@ def file_out(file: File) -> dict[str, Any]:
     "GIF, WebP), `document` (PDF, its text extracted) or `text` (UTF-8). Anything else 415; "
     "over CHAT_UPLOAD_MAX_BYTES (default 20 MiB) 413; a damaged image or PDF, or an "
     "encrypted PDF, 422.",
+    # Stateful clients and fuzzers follow this link from the upload (E3).
+    openapi_extra={
+        "responses": {
+            201: {
+                "links": {
+                    "download_file": {
+                        "operationId": "sessions_app_api_download_file",
+                        "parameters": {"file_id": "$response.body#/file_id"},
+                    }
+                }
+            }
+        }
+    },
 )
 async def upload_file(request: HttpRequest, file: FileParam[UploadedFile]) -> Status[Any]:
     user = _user(request)

@@ -294,7 +294,7 @@ async def post_message(
         content=payload.content,
         mode=payload.mode,
         client_msg_id=payload.client_msg_id or "",
-        attachments=await resolve_attachments(user, payload.attachments),
+        attachments=await resolve_attachments(user, [str(i) for i in payload.attachments]),
     )
     if wants_stream(request):
         return await stream(

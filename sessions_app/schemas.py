@@ -8,7 +8,9 @@ fields of a message are left out when absent (the views render with `exclude_uns
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from uuid import UUID
 
+from django.conf import settings
 from ninja import Field, Schema
 from pydantic import AfterValidator
 
@@ -129,16 +131,17 @@ class SessionListOut(Schema):
 
 
 class MessageIn(Schema):
-    content: Text = Field(
-        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413); "
-        "empty only beside attachments."
-    )
-    attachments: list[Annotated[str, Field(max_length=64)]] | None = Field(
-        None,
-        description="Ids of the caller's own files (POST /files) to send with a `send`, at "
-        "most CHAT_ATTACHMENTS_MAX (default 10) (H3).",
+    content: Annotated[Text, Field(min_length=1)] = Field(
+        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
     client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    attachments: list[UUID] = Field(
+        default_factory=list,
+        max_length=settings.CHAT["ATTACHMENTS_MAX"],
+        description="Ids of the caller's own files (POST /files) to send with a `send`, at "
+        "most CHAT_ATTACHMENTS_MAX (default 10); another user's or an unknown file refuses "
+        "the send (422) (H3).",
+    )
     mode: Literal["send", "steer", "inject"] = Field(
         "send",
         description="send: a new turn (C1); steer: joins the running turn at its next step, "

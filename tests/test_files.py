@@ -242,16 +242,24 @@ async def test_a_send_gives_the_model_the_image_and_the_files_text(
     assert page["messages"][1]["attachments"] == user_message["attachments"]
 
 
-async def test_an_image_alone_may_be_sent_without_text(api: Api, fake_model: Any) -> None:
+async def test_an_image_alone_may_be_sent_without_text(
+    api: Api, connect: Any, fake_model: Any, user: Any
+) -> None:
     # covers: H3
     _, img = await upload(api, "x.png", png_bytes())
-    s = await api.create(dialog_id="img-only")
+    ws = await connect(user)
     fake_model.script(Reply(text="A red rectangle."))
-    ack = await api.send(s["session_id"], "", attachments=[img["file_id"]])
-    assert (await api.turn_done(ack["turn_id"]))["status"] == "completed"
+    await ws.send({"type": "send", "content": "", "attachments": [img["file_id"]]})
+    frames = await ws.until(lambda f: f["type"] == "turn_updated")
+    assert frames[-1]["status"] == "completed"
     parts = _user_message(fake_model.turn_requests()[-1])["content"]
     # The runtime context block still goes on the message, as a text part of its own.
     assert parts[0]["type"] == "text" and parts[1]["type"] == "image_url"
+    # Without attachments an empty message is refused, as ever.
+    await ws.send({"type": "send", "content": ""})
+    error = await ws.until(lambda f: f["type"] == "error")
+    assert error[-1]["code"] == "bad_request"
+    s = await api.create(dialog_id="img-only")
     status, body = await api.post(f"/sessions/{s['session_id']}/messages", {"content": ""})
     error_of(status, body, 422, "bad_request")
 

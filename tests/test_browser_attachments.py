@@ -7,6 +7,7 @@ file chips that download, on a phone-sized screen and by keyboard."""
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,46 @@ def test_file_chips_on_a_phone_by_keyboard(
     download.value.save_as(saved)
     assert saved.read_text(encoding="utf-8") == "# Plan\n\n- ship it\n"
     expect(tab.answers().last).to_have_text("Noted.")
+
+
+def test_pasting_an_image_and_dropping_a_file_attach_them(tab: Tab, model: FakeModelServer) -> None:
+    # covers: H3, E1
+    page = tab.page
+    png = base64.b64encode(png_bytes((30, 20), "yellow")).decode()
+    # Paste an image into the message box, as a screenshot tool's copy gives it.
+    page.evaluate(
+        """png => {
+        const bytes = Uint8Array.from(atob(png), c => c.charCodeAt(0));
+        const data = new DataTransfer();
+        data.items.add(new File([bytes], "image.png", { type: "image/png" }));
+        const box = document.getElementById("composer-input");
+        box.dispatchEvent(new ClipboardEvent("paste", { clipboardData: data, bubbles: true }));
+        }""",
+        png,
+    )
+    # Drop a text file onto the chat.
+    page.evaluate(
+        """() => {
+        const data = new DataTransfer();
+        data.items.add(new File(["dropped text"], "dropped.txt", { type: "text/plain" }));
+        const main = document.getElementById("main");
+        main.dispatchEvent(new DragEvent("dragenter", { dataTransfer: data, bubbles: true }));
+        main.dispatchEvent(new DragEvent("dragover", { dataTransfer: data, bubbles: true }));
+        main.dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true }));
+        }"""
+    )
+    chips = page.locator("#attach-chips .attach-chip")
+    expect(chips).to_have_count(2)
+    expect(chips.nth(0).locator(".attach-name")).to_have_text("image.png")
+    expect(chips.nth(1).locator(".attach-name")).to_have_text("dropped.txt")
+    expect(chips.nth(1).locator(".attach-meta")).to_have_text("12 B")
+    expect(page.locator("#app")).not_to_have_class(re.compile(r"\bis-dropping\b"))
+
+    model.script(Reply(text="Both seen."))
+    tab.send("two files")
+    expect(page.locator("#messages .msg-user .attach-thumb img")).to_have_count(1)
+    expect(page.locator("#messages .msg-user a.attach-file")).to_contain_text("dropped.txt")
+    expect(tab.answers().last).to_have_text("Both seen.")
+    parts = [m for m in model.turn_requests()[-1].messages if m["role"] == "user"][-1]["content"]
+    assert [p["type"] for p in parts] == ["text", "image_url", "text"]
+    assert parts[2]["text"] == "File: dropped.txt\n\ndropped text"

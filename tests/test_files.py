@@ -391,3 +391,11 @@ async def test_unused_uploads_older_than_a_day_are_swept(
     remaining = {str(pk) async for pk in File.objects.values_list("pk", flat=True)}
     assert remaining == {used["file_id"], fresh["file_id"]}
     assert len(stored_files(storage_dir)) == 2
+
+    # Scaled mode: the Celery beat task of the dialog purge sweeps them too.
+    from sessions_app import tasks
+
+    await File.objects.filter(pk=fresh["file_id"]).aupdate(created_at=two_days_ago)
+    await sync_to_async(tasks.purge_deleted_sessions)()
+    remaining = {str(pk) async for pk in File.objects.values_list("pk", flat=True)}
+    assert remaining == {used["file_id"]}

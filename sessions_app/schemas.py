@@ -45,7 +45,8 @@ class ErrorOut(Schema):
 
     code: str = Field(
         description="bad_request, unauthorized, csrf_failed, not_found, conflict, queue_full, "
-        "too_large, rate_limited, overloaded, shutting_down, storage_error, internal_error"
+        "too_large, unsupported_type, rate_limited, overloaded, shutting_down, storage_error, "
+        "internal_error"
     )
     message: str
 

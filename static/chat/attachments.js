@@ -77,6 +77,26 @@ function remove(item) {
   $("composer-input").focus();
 }
 
+/** Put already uploaded files back on the message being written (editing one that was
+ * not sent). */
+export function restoreAttachments(refs) {
+  (refs || []).forEach(function (ref) {
+    counter += 1;
+    items.push({
+      key: counter,
+      name: ref.name,
+      size: ref.size,
+      preview: "",
+      progress: 1,
+      ref: ref,
+      error: "",
+      xhr: null,
+    });
+  });
+  renderChips();
+  changed();
+}
+
 /** Add files (a FileList or an array of File) to the message being written. */
 export function addFiles(files) {
   Array.prototype.forEach.call(files, function (file) {

@@ -10,6 +10,7 @@ import {
   bindAttachments,
   clearAttachments,
   readyAttachments,
+  restoreAttachments,
 } from "./attachments.js";
 import { platformName } from "./format.js";
 import { clearTurnNote, scrollToBottom, updateEmpty } from "./render.js";
@@ -50,6 +51,7 @@ export function renderPending() {
         } else {
           var input = $("composer-input");
           input.value = p.content;
+          restoreAttachments(p.attachments);
           autosize();
           updateSendButton();
           input.focus();

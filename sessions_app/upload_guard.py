@@ -2,8 +2,10 @@
 
 Django's ASGI handler reads a request's whole body (into a temporary file) before any view
 or middleware runs, so `UploadGuard` sits in front of it: a `POST /api/v1/files` whose
-declared `Content-Length` is over the limit is answered 413 at once. A body sent without a
-length cannot be judged before it arrives; the upload route refuses it by the file's size.
+declared `Content-Length` is over the limit is answered 413 without a byte of its body read
+by the application (a server that streams bodies has not received them yet; Daphne, under
+`serve`, has, into a temporary file). A body sent without a length cannot be judged before
+it arrives; the upload route refuses it by the file's size.
 """
 
 from __future__ import annotations

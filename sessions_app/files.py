@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -155,18 +156,22 @@ def attachments_check(raw: object) -> list[str]:
 
 def attachments_resolve(*, owner_id: int, file_ids: Sequence[str]) -> list[dict[str, Any]]:
     """The attachments of a send, as its message will carry them: each id must be one of the
-    sender's own files, else the send is refused and nothing is stored."""
+    sender's own files, else the send is refused and nothing is stored. One query."""
     if not file_ids:
         return []
-    found: dict[str, File] = {}
+    wanted: list[tuple[str, uuid.UUID | None]] = []
     for file_id in file_ids:
         try:
-            found[file_id] = file_get_for_owner(owner_id=owner_id, file_id=file_id)
-        except NotFound:
-            raise BadRequest(
-                _("Attachment %(id)s is not one of your files.") % {"id": file_id}
-            ) from None
-    return [found[i].as_ref() for i in file_ids]
+            wanted.append((file_id, uuid.UUID(file_id)))
+        except ValueError:
+            wanted.append((file_id, None))
+    found = {
+        f.pk: f for f in File.objects.filter(owner_id=owner_id, pk__in=[u for _i, u in wanted if u])
+    }
+    for file_id, parsed in wanted:
+        if parsed is None or parsed not in found:
+            raise BadRequest(_("Attachment %(id)s is not one of your files.") % {"id": file_id})
+    return [found[parsed].as_ref() for _i, parsed in wanted if parsed is not None]
 
 
 def file_uses_record(*, session_pk: str, refs: Iterable[dict[str, Any]]) -> None:

@@ -168,3 +168,22 @@ def test_pasting_an_image_and_dropping_a_file_attach_them(tab: Tab, model: FakeM
     parts = [m for m in model.turn_requests()[-1].messages if m["role"] == "user"][-1]["content"]
     assert [p["type"] for p in parts] == ["text", "image_url", "text"]
     assert parts[2]["text"] == "File: dropped.txt\n\ndropped text"
+
+
+def test_the_chat_says_when_the_model_cannot_see_images(
+    tab: Tab, model: FakeModelServer, tmp_path: Path
+) -> None:
+    # covers: H3, E5
+    image = tmp_path / "chart.png"
+    image.write_bytes(png_bytes())
+    _pick(tab, image)
+    expect(tab.page.locator("#attach-chips .attach-meta")).to_have_text(f"{image.stat().st_size} B")
+    model.script(
+        Reply(
+            status=400,
+            error={"error": {"message": "This model does not support image input."}},
+        )
+    )
+    tab.send("read the chart")
+    note = tab.page.locator("#messages .turn-note")
+    expect(note).to_contain_text("The model cannot see images")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from asgiref.sync import sync_to_async
 
-from sessions_app.models import File, Message
+from sessions_app.models import ChannelAccount, File, Message
 from tests.fakemodel import Reply
 from tests.file_helpers import png_bytes, stored_files, text_pdf
 from tests.telegram_helpers import Bot, bot, bot_with, fake_telegram  # noqa: F401
@@ -61,12 +61,29 @@ async def test_a_telegram_photo_with_a_caption_reaches_the_model(bot: Bot, fake_
     assert message.media_refs[0]["kind"] == "image"
     assert message.media_refs[0]["size"] == len(photo)
     stored = await File.objects.aget(pk=message.media_refs[0]["file_id"])
+    # The dialog's owner's file: whoever reads the dialog (on the web once linked) opens it.
     assert stored.owner_id == (await sync_to_async(lambda: message.session.owner_id)())
     # The largest size Telegram listed was fetched, not its thumbnail.
     assert [c.body["file_id"] for c in bot.fake.calls_of("getFile")] == [
         update["message"]["photo"][-1]["file_id"]
     ]
     assert bot.answers_to(update)[-1].text.startswith("A purple rectangle.")
+
+
+async def test_a_photo_in_a_group_belongs_to_the_dialogs_owner(bot: Bot, fake_model: Any) -> None:
+    # covers: H3, A1
+    fake_model.script(Reply(text="first"), Reply(text="seen"))
+    await bot.say("@testbot hello", group=True, chat_id=-100, user_id=7)
+    await bot.idle()
+    await bot.say("@testbot look", group=True, chat_id=-100, user_id=8, photo=png_bytes())
+    await bot.idle()
+    message = await sync_to_async(
+        lambda: Message.objects.filter(role="user").exclude(media_refs=[]).get()
+    )()
+    stored = await File.objects.aget(pk=message.media_refs[0]["file_id"])
+    owner = await sync_to_async(lambda: message.session.owner_id)()
+    sender = await ChannelAccount.objects.aget(channel="telegram", external_id="8")
+    assert stored.owner_id == owner != sender.identity_id
 
 
 async def test_a_telegram_document_without_a_caption_is_sent_as_its_text(

@@ -300,8 +300,10 @@ async def _handle(
                 await on_db(store.event_accept)(claim)
             await client.send_text(message.chat_id, result.content, reply_to=message.message_id)
             return "command"
-        # H3: its files, stored as the sender's uploads; a message with files is a send.
-        attachments = await store_all(client, message, owner_id=ctx.sender.pk)
+        # H3: its files, stored as uploads of the dialog's owner (who reads the dialog, also
+        # on the web when linked; in a group, not every sender); a message with files is a
+        # send.
+        attachments = await store_all(client, message, owner_id=ctx.current.owner_id)
         mode = "send"
         if (
             message.reply_to_message_id

@@ -1,6 +1,7 @@
 """Files sent in a chat app (SPEC H3): a Telegram photo or document, a Feishu image or file,
-fetched through the platform's download method and stored as an upload of the person who
-sent it, then attached to their message like a web upload.
+fetched through the platform's download method and stored as an upload of the dialog's
+owner (who reads the dialog, on the web too once linked), then attached to the message like
+a web upload.
 
 A download is streamed into a temporary file (memory does not grow with it) and stops at
 `CHAT_UPLOAD_MAX_BYTES`; the file's kind comes from its bytes (`file_kinds`). Every refusal

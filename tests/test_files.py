@@ -18,7 +18,7 @@ from django.utils import timezone
 from sessions_app import files, services
 from sessions_app.models import File, Message, Session
 from sessions_app.upload_guard import UploadGuard
-from tests.api_helpers import Api, bearer_api, chat_cfg, error_of
+from tests.api_helpers import Api, bearer_api, chat_cfg, engine_with, error_of
 from tests.fakemodel import Reply
 from tests.file_helpers import (
     encrypted_pdf,
@@ -240,6 +240,27 @@ async def test_a_send_gives_the_model_the_image_and_the_files_text(
     assert "attachments" not in user_message.get("source", {})
     _, page = await api.get(f"/sessions/{s['session_id']}/messages")
     assert page["messages"][1]["attachments"] == user_message["attachments"]
+
+
+async def test_a_later_turn_read_from_the_database_still_sends_the_parts(
+    api: Api, fake_model: Any, make_engine: Any
+) -> None:
+    # covers: H3, A5 (a process that never held the dialog reads its attachments back)
+    image = png_bytes((12, 12), "navy")
+    _, img = await upload(api, "navy.png", image)
+    s = await api.create(dialog_id="cold")
+    fake_model.script(Reply(text="navy"))
+    ack = await api.send(s["session_id"], "colour?", attachments=[img["file_id"]])
+    await api.turn_done(ack["turn_id"])
+    async with engine_with(make_engine):
+        fake_model.script(Reply(text="still navy"))
+        ack = await api.send(s["session_id"], "and now?")
+        assert (await api.turn_done(ack["turn_id"]))["status"] == "completed"
+    users = [m for m in fake_model.turn_requests()[-1].messages if m["role"] == "user"]
+    first = users[0]["content"]
+    assert first[0] == {"type": "text", "text": "colour?"}
+    assert base64.b64decode(first[1]["image_url"]["url"].split(",", 1)[1]) == image
+    assert users[1]["content"].startswith("and now?")
 
 
 async def test_an_image_alone_may_be_sent_without_text(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -420,3 +421,24 @@ async def test_unused_uploads_older_than_a_day_are_swept(
     await sync_to_async(tasks.purge_deleted_sessions)()
     remaining = {str(pk) async for pk in File.objects.values_list("pk", flat=True)}
     assert remaining == {used["file_id"]}
+
+
+@pytest.mark.parametrize(
+    ("message", "kind"),
+    [
+        (
+            "Invalid content type. image_url is only supported by certain models.",
+            "images_unsupported",
+        ),
+        ("This model does not support image input.", "images_unsupported"),
+        ("llama3 is not a multimodal model", "images_unsupported"),
+        ("Model does not support images", "images_unsupported"),
+        ("max_tokens is too large", "bad_request"),
+    ],
+)
+def test_a_model_servers_refusal_of_images_is_told_apart(message: str, kind: str) -> None:
+    # covers: H3, E5
+    from chatcore.engine.provider_errors import classify_http_error
+
+    body = json.dumps({"error": {"message": message}})
+    assert classify_http_error(400, body).kind == kind

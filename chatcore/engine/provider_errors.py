@@ -22,8 +22,13 @@ _OVERFLOW = re.compile(
 )
 
 # H3: a model server that cannot take image parts says so in its 400 (OpenAI: "image_url is
-# only supported by certain models"; vLLM/Ollama: "... does not support image input").
-_IMAGES = re.compile(r"image|vision|multi-?modal", re.IGNORECASE)
+# only supported by certain models"; vLLM: "... is not a multimodal model"; others: "does
+# not support images", "... required for image input").
+_IMAGES = re.compile(
+    r"image_url|image input|images? (?:is|are) not supported|not support(?:ed)? (?:for )?images?"
+    r"|does not support images?|vision|multi-?modal",
+    re.IGNORECASE,
+)
 
 
 def classify_http_error(status: int, body: str) -> ProviderError:

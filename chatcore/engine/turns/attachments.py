@@ -12,15 +12,12 @@ thread; the result is kept with the message in the history cache, so a file is r
 from __future__ import annotations
 
 import base64
-import logging
 from typing import Any
 
 from django.conf import settings
 
 from sessions_app import files
 from sessions_app.file_models import File, FileKind
-
-logger = logging.getLogger(__name__)
 
 # Of the builder's budget, the share all the files of one message may take, and the
 # characters a token is assumed to hold at least (code and prose run 3-4; CJK less, which

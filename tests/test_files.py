@@ -85,6 +85,23 @@ async def test_upload_an_image_measures_it_and_makes_a_thumbnail(
     assert image.format == "JPEG" and max(image.size) <= 320
 
 
+@pytest.mark.parametrize(
+    ("fmt", "content_type"),
+    [("JPEG", "image/jpeg"), ("GIF", "image/gif"), ("WEBP", "image/webp")],
+)
+async def test_every_image_format_is_known_by_its_bytes(
+    api: Api, fmt: str, content_type: str
+) -> None:
+    # covers: H3 (the name says PNG; the bytes decide)
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (24, 16), "white").save(out, format=fmt)
+    status, body = await upload(api, "misnamed.png", out.getvalue())
+    assert status == 201, body
+    assert (body["kind"], body["content_type"]) == ("image", content_type)
+
+
 async def test_text_and_pdf_uploads_keep_their_text(api: Api) -> None:
     # covers: H3
     status, code = await upload(api, "main.py", "print('héllo')\n".encode())

@@ -95,6 +95,7 @@ def js_strings() -> dict[str, str]:
         "attach_failed": _("Upload failed."),
         "attach_refused": _("%(name)s was not attached: %(message)s"),
         "attach_uploading": _("Uploading %(name)s"),
+        "attach_ready": _("%(name)s attached."),
         "attach_remove": _("Remove %(name)s"),
         "attach_wait": _("Wait until the files have uploaded."),
         "read_only": _("read-only"),

@@ -48,6 +48,11 @@ def test_an_image_from_the_file_picker_reaches_the_model_and_shows_as_a_thumbnai
     expect(chip).to_have_count(1)
     expect(chip.locator(".attach-name")).to_have_text("green.png")
     expect(chip.locator(".attach-meta")).to_have_text(f"{len(data)} B")  # uploaded
+    # Its preview is the server's thumbnail (the page's policy allows no blob: images).
+    page.wait_for_function(
+        "() => { const i = document.querySelector('#attach-chips .attach-preview');"
+        " return i && i.complete && i.naturalWidth > 0; }"
+    )
     expect(page.locator("#send-button")).to_be_enabled()
 
     model.script(Reply(text="A green rectangle."))

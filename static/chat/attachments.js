@@ -8,7 +8,7 @@
  * The composer asks `readyAttachments()` / `attachmentsBusy()` when it sends, and
  * `clearAttachments()` after; the transcript asks `attachmentsView(refs)` for a message.
  */
-import { $, config, el, t, toast } from "./ui.js";
+import { $, announce, config, el, t, toast } from "./ui.js";
 
 var FILES_URL = config.files_url || "/api/v1/files";
 var MAX_BYTES = config.upload_max_bytes || 20 * 1024 * 1024;
@@ -62,9 +62,6 @@ function release(item) {
   if (item.xhr && !item.ref && !item.error) {
     item.xhr.abort();
   }
-  if (item.preview) {
-    URL.revokeObjectURL(item.preview);
-  }
 }
 
 function remove(item) {
@@ -86,7 +83,7 @@ export function restoreAttachments(refs) {
       key: counter,
       name: ref.name,
       size: ref.size,
-      preview: "",
+      preview: ref.kind === "image" ? fileUrl(ref.file_id, true) : "",
       progress: 1,
       ref: ref,
       error: "",
@@ -113,7 +110,7 @@ export function addFiles(files) {
       key: counter,
       name: file.name || t("attach_pasted"),
       size: file.size,
-      preview: /^image\//.test(file.type) ? URL.createObjectURL(file) : "",
+      preview: "",
       progress: 0,
       ref: null,
       error: "",
@@ -144,6 +141,11 @@ function upload(item, file) {
     var body = xhr.response || {};
     if (xhr.status === 201 && body.file_id) {
       item.ref = body;
+      if (body.kind === "image") {
+        // The server's thumbnail of it (same origin, as the page's policy wants).
+        item.preview = fileUrl(body.file_id, true);
+      }
+      announce(t("attach_ready", { name: item.name }));
     } else {
       item.error = body.message || t("attach_failed");
       toast(t("attach_refused", { name: item.name, message: item.error }), "error");
@@ -183,7 +185,7 @@ export function renderChips() {
       img.alt = "";
       chip.appendChild(img);
     } else {
-      chip.appendChild(el("span", "attach-icon", "📄"));
+      chip.appendChild(fileIcon());
     }
     var text = el("span", "attach-text");
     text.appendChild(el("span", "attach-name", item.name));
@@ -233,7 +235,7 @@ export function attachmentsView(refs) {
       var file = el("a", "attach-file");
       file.href = fileUrl(ref.file_id, false);
       file.setAttribute("download", ref.name);
-      file.appendChild(el("span", "attach-icon", "📄"));
+      file.appendChild(fileIcon());
       var label = el("span", "attach-text");
       label.appendChild(el("span", "attach-name", ref.name));
       label.appendChild(el("span", "attach-meta", formatSize(ref.size)));
@@ -242,6 +244,17 @@ export function attachmentsView(refs) {
     }
   });
   return box;
+}
+
+function fileIcon() {
+  var svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("viewBox", "0 0 24 24");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("class", "attach-icon");
+  var path = document.createElementNS("http://www.w3.org/2000/svg", "path");
+  path.setAttribute("d", "M14 3H7a2 2 0 0 0-2 2v14a2 2 0 0 0 2 2h10a2 2 0 0 0 2-2V8zM14 3v5h5M9 13h6M9 17h6");
+  svg.appendChild(path);
+  return svg;
 }
 
 function hasFiles(event) {

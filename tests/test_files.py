@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.test import AsyncClient
 from django.utils import timezone
 
 from sessions_app import files, services
@@ -207,6 +208,11 @@ async def test_download_is_for_the_owner_only(api: Api, other_user: Any) -> None
     error_of(status, data, 404, "not_found")
     status, data, _ = await other.call("GET", "/files/not-a-uuid")
     error_of(status, data, 404, "not_found")
+    anonymous = Api(AsyncClient())
+    status, data, _ = await anonymous.call("GET", f"/files/{body['file_id']}")
+    error_of(status, data, 401, "unauthorized")
+    status, data = await upload(anonymous, "b.txt", b"theirs")
+    error_of(status, data, 401, "unauthorized")
 
 
 # --- Attachments on a send --------------------------------------------------------------------

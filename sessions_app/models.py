@@ -481,3 +481,7 @@ class ChannelDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.channel}:{self.chat_id}:{self.message_id}"
+
+
+# H3: uploaded files live in their own module; imported here so Django registers them.
+from .file_models import File, FileKind, FileUse  # noqa: E402, F401

@@ -452,3 +452,7 @@ class ChannelDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.channel}:{self.chat_id}:{self.message_id}"
+
+
+# H2: share links live in their own module; imported here so Django registers them.
+from .share_models import Share as Share  # noqa: E402

@@ -37,6 +37,7 @@ from chatcore.common.errors import ChatError, StorageUnavailable
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
 from .routes import router
+from .routes_carry import router as carry_router
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +63,19 @@ a Server-Sent Events stream of the WebSocket frames (`queued`, `history_delta`,
 # --- The API and its guards ----------------------------------------------------------------
 
 
+IMPORT_PATH = "/sessions/import"
+
+
 def _error(status: int, code: str, message: str, **extra: Any) -> JsonResponse:
     return JsonResponse({"code": code, "message": message, **extra}, status=status)
 
 
-def _body_limit() -> int:
+def _body_limit(request: HttpRequest) -> int:
     """The largest request body worth parsing: the content limit at 12 bytes per character
     (a JSON-escaped surrogate pair) plus room for the other fields, and never more than
-    Django itself would read."""
+    Django itself would read. An import (H2) reads its own body, up to its own limit."""
+    if request.path.endswith(IMPORT_PATH):
+        return int(settings.CHAT["IMPORT_MAX_BYTES"])
     limit = int(settings.CHAT["CONTENT_LIMIT"]) * 12 + 64 * 1024
     django_limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     return min(limit, django_limit) if django_limit is not None else limit
@@ -82,7 +88,8 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
         length = int(raw) if raw else None
     except ValueError:
         length = None
-    if length is None and request.method not in SAFE_METHODS:
+    importing = request.path.endswith(IMPORT_PATH)  # reads its own body, to its own limit
+    if length is None and request.method not in SAFE_METHODS and not importing:
         # A chunked body has no declared length; the server has already buffered it. Django
         # refuses to read one over DATA_UPLOAD_MAX_MEMORY_SIZE: that is a 413 too (F8), not
         # Django's HTML 400.
@@ -90,7 +97,7 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
             length = len(request.body)
         except RequestDataTooBig:
             return _error(413, "too_large", _("The request body is too large."))
-    if length is not None and length > _body_limit():
+    if length is not None and length > _body_limit(request):
         return _error(413, "too_large", _("The request body is too large."))
     return None
 
@@ -258,5 +265,7 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     return _error(500, "internal_error", _("Internal error."))
 
 
-# The one router of this app (its routes register on import).
+# The app's routers (their routes register on import). H2's first: its
+# `/sessions/import` must match before `/sessions/{session_id}` does.
+api.add_router("/", carry_router)
 api.add_router("/", router)

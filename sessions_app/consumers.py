@@ -29,7 +29,7 @@ from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFoun
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
 from chatcore.engine import commands, runtime
 
-from . import logins, selectors
+from . import logins, search, selectors
 from .connection import ChannelConnection
 from .frames import optional_int, parse_client_frame
 from .models import Session
@@ -328,6 +328,22 @@ class ChatConsumer(ChatEventsConsumer):
     async def _on_sessions(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         await self._send_sessions(client_msg_id)
 
+    async def _on_search(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # H2: the caller's own live dialogs, answered by `search_results`.
+        assert self.user is not None
+        limit = optional_int(data, "limit", low=1, high=search.LIMIT_MAX) or 20
+        hits, count = await on_db_idempotent(search.search_for_owner)(
+            owner_id=self.user.pk, q=data.get("q"), limit=limit
+        )
+        await self._send(
+            events.search_results_frame(
+                q=str(data.get("q")),
+                items=[h.as_dict() for h in hits],
+                count=count,
+                client_msg_id=client_msg_id,
+            )
+        )
+
     HANDLERS = {
         "send": _on_send,
         "steer": _on_steer,
@@ -337,4 +353,5 @@ class ChatConsumer(ChatEventsConsumer):
         "continue": _on_continue,
         "history": _on_history,
         "sessions": _on_sessions,
+        "search": _on_search,
     }

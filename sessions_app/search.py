@@ -88,9 +88,7 @@ def query_words(q: object) -> list[str]:
     if not words:
         raise BadRequest(_("Type something to search for."))
     if len(words) > QUERY_MAX_WORDS:
-        raise BadRequest(
-            _("A search query may have at most %(n)d words.") % {"n": QUERY_MAX_WORDS}
-        )
+        raise BadRequest(_("A search query may have at most %(n)d words.") % {"n": QUERY_MAX_WORDS})
     return words
 
 
@@ -157,10 +155,7 @@ def _title_hits(owner_id: int, words: list[str]) -> list[Hit]:
 
 # --- Messages -------------------------------------------------------------------------------
 
-_COLUMNS = (
-    "m.seq, m.role, m.content, m.created_at,"
-    " s.channel, s.chat_id, s.dialog_id, s.title"
-)
+_COLUMNS = "m.seq, m.role, m.content, m.created_at, s.channel, s.chat_id, s.dialog_id, s.title"
 
 
 def _message_rows(
@@ -183,9 +178,7 @@ def _message_rows(
         return rows, int(cursor.fetchone()[0])
 
 
-def _match_sql(
-    words: list[str], *, select: str, where: str, ranked: bool
-) -> tuple[str, list[Any]]:
+def _match_sql(words: list[str], *, select: str, where: str, ranked: bool) -> tuple[str, list[Any]]:
     """The statement finding the messages that hold every word; `ranked` adds a `rank`
     column (lower is better) for the ordering; `where` adds conditions on `s` (the dialog),
     whose parameters the caller appends."""

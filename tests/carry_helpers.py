@@ -25,7 +25,9 @@ def dialog_with(user: Any, *texts: str | tuple[str, str], title: str | None = No
     )
     news = []
     for i, item in enumerate(texts):
-        role, text = item if isinstance(item, tuple) else ("user" if i % 2 == 0 else "assistant", item)
+        role, text = (
+            item if isinstance(item, tuple) else ("user" if i % 2 == 0 else "assistant", item)
+        )
         news.append(services.NewMessage(role=role, content=text, kind=KINDS[role]))
     if news:
         services.messages_append(session_pk=session.pk, messages=news, publish_delta=False)

@@ -17,14 +17,12 @@ from django.db import migrations, models
 
 import sessions_app.share_models
 
-SEARCHABLE = "role IN ('user', 'assistant')"
-
 POSTGRESQL_FORWARD = [
     "CREATE EXTENSION IF NOT EXISTS pg_trgm",
     "CREATE INDEX IF NOT EXISTS idx_message_fts ON sessions_app_message"
-    f" USING gin (to_tsvector('simple'::regconfig, content)) WHERE {SEARCHABLE}",
+    " USING gin (to_tsvector('simple'::regconfig, content)) WHERE role IN ('user', 'assistant')",
     "CREATE INDEX IF NOT EXISTS idx_message_trgm ON sessions_app_message"
-    f" USING gin (content gin_trgm_ops) WHERE {SEARCHABLE}",
+    " USING gin (content gin_trgm_ops) WHERE role IN ('user', 'assistant')",
 ]
 POSTGRESQL_BACKWARD = [
     "DROP INDEX IF EXISTS idx_message_trgm",
@@ -36,17 +34,16 @@ SQLITE_FORWARD = [
     " id INTEGER PRIMARY KEY,"
     " message_id char(32) NOT NULL UNIQUE,"
     " session_id char(32) NOT NULL)",
-    "CREATE VIRTUAL TABLE sessions_app_message_fts USING fts5("
-    "content, tokenize = 'trigram')",
+    "CREATE VIRTUAL TABLE sessions_app_message_fts USING fts5(content, tokenize = 'trigram')",
     "CREATE TRIGGER sessions_app_message_search_ins AFTER INSERT ON sessions_app_message"
-    f" WHEN new.{SEARCHABLE} BEGIN"
+    " WHEN new.role IN ('user', 'assistant') BEGIN"
     " INSERT INTO sessions_app_search_doc (message_id, session_id)"
     " VALUES (new.id, new.session_id);"
     " INSERT INTO sessions_app_message_fts (rowid, content)"
     " VALUES (last_insert_rowid(), new.content);"
     " END",
     "CREATE TRIGGER sessions_app_message_search_del AFTER DELETE ON sessions_app_message"
-    f" WHEN old.{SEARCHABLE} BEGIN"
+    " WHEN old.role IN ('user', 'assistant') BEGIN"
     " DELETE FROM sessions_app_message_fts WHERE rowid ="
     " (SELECT id FROM sessions_app_search_doc WHERE message_id = old.id);"
     " DELETE FROM sessions_app_search_doc WHERE message_id = old.id;"
@@ -59,13 +56,13 @@ SQLITE_FORWARD = [
     " (SELECT id FROM sessions_app_search_doc WHERE message_id = old.id);"
     " DELETE FROM sessions_app_search_doc WHERE message_id = old.id;"
     " INSERT INTO sessions_app_search_doc (message_id, session_id)"
-    f" SELECT new.id, new.session_id WHERE new.{SEARCHABLE};"
+    " SELECT new.id, new.session_id WHERE new.role IN ('user', 'assistant');"
     " INSERT INTO sessions_app_message_fts (rowid, content)"
-    f" SELECT last_insert_rowid(), new.content WHERE new.{SEARCHABLE};"
+    " SELECT last_insert_rowid(), new.content WHERE new.role IN ('user', 'assistant');"
     " END",
     # Messages stored before this migration.
     "INSERT INTO sessions_app_search_doc (message_id, session_id)"
-    f" SELECT id, session_id FROM sessions_app_message WHERE {SEARCHABLE} ORDER BY rowid",
+    " SELECT id, session_id FROM sessions_app_message WHERE role IN ('user', 'assistant') ORDER BY rowid",
     "INSERT INTO sessions_app_message_fts (rowid, content)"
     " SELECT d.id, m.content FROM sessions_app_search_doc d"
     " JOIN sessions_app_message m ON m.id = d.message_id",

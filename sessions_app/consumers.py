@@ -329,11 +329,12 @@ class ChatConsumer(ChatEventsConsumer):
         await self._send_sessions(client_msg_id)
 
     async def _on_search(self, data: dict[str, Any], client_msg_id: str | None) -> None:
-        # H2: the caller's own live dialogs, answered by `search_results`.
+        # H2: the caller's own live dialogs of this web chat (the ones it can open),
+        # answered by `search_results`.
         assert self.user is not None
         limit = optional_int(data, "limit", low=1, high=search.LIMIT_MAX) or 20
         hits, count = await on_db_idempotent(search.search_for_owner)(
-            owner_id=self.user.pk, q=data.get("q"), limit=limit
+            owner_id=self.user.pk, q=data.get("q"), limit=limit, chat=(CHANNEL, self.chat_id)
         )
         await self._send(
             events.search_results_frame(

@@ -224,7 +224,9 @@ def _ours(document: dict[str, Any]) -> ImportedDialog:
     head = document.get("head_seq")
     if head is None and by_seq:
         head = max(by_seq)
-    if head is not None and (isinstance(head, bool) or head not in by_seq):
+    if head is not None and (
+        not isinstance(head, int) or isinstance(head, bool) or head not in by_seq
+    ):
         raise InvalidDocument(_("head_seq is not a message of the dialog."))
     path = _walk(head, lambda seq: by_seq[seq].get("parent_seq"), where="parent_seq")
     messages = [_our_message(by_seq[seq]) for seq in path]
@@ -256,18 +258,18 @@ def _walk(head: Any, parent_of: Any, *, where: str) -> list[Any]:
 def _our_message(item: dict[str, Any]) -> ImportedMessage:
     where = item["_where"]
     role = item["role"]
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidDocument(
             _("%(where)s: role %(role)r is not one of %(roles)s.")
             % {"where": where, "role": str(role)[:20], "roles": ", ".join(sorted(ROLES))}
         )
     kind = item.get("kind") or DEFAULT_KIND[role]
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise InvalidDocument(
             _("%(where)s: unknown kind %(kind)r.") % {"where": where, "kind": str(kind)[:20]}
         )
     status = item.get("status") or ""
-    if status not in STATUSES:
+    if not isinstance(status, str) or status not in STATUSES:
         raise InvalidDocument(
             _("%(where)s: unknown status %(status)r.")
             % {"where": where, "status": str(status)[:20]}
@@ -308,7 +310,7 @@ def _chatgpt(document: dict[str, Any], *, where: str) -> ImportedDialog:
                 _("%(where)smapping[%(key)r]: not an object.") % {"where": where, "key": key[:60]}
             )
         parent = node.get("parent")
-        if parent is not None and parent not in mapping:
+        if parent is not None and (not isinstance(parent, str) or parent not in mapping):
             raise InvalidDocument(
                 _("%(where)smapping[%(key)r]: parent %(parent)r is not in the mapping.")
                 % {"where": where, "key": key[:60], "parent": str(parent)[:60]}
@@ -318,7 +320,7 @@ def _chatgpt(document: dict[str, Any], *, where: str) -> ImportedDialog:
         # No active node named: the newest leaf.
         leaves = [k for k, n in mapping.items() if not n.get("children")]
         head = max(leaves, key=lambda k: _node_time(mapping[k]) or 0.0) if leaves else None
-    if head not in mapping:
+    if not isinstance(head, str) or head not in mapping:
         raise InvalidDocument(_("%(where)scurrent_node is not in the mapping.") % {"where": where})
     path = _walk(head, lambda key: mapping[key].get("parent"), where=f"{where}mapping")
     messages = []

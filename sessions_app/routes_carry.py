@@ -29,6 +29,34 @@ ERRORS: dict[int, Any] = {401: ErrorOut, 404: ErrorOut, 422: ValidationErrorOut}
 WRITE_ERRORS: dict[int, Any] = {**ERRORS, 429: ErrorOut, 503: ErrorOut}
 
 
+# The body as OpenAPI can say it: a `chatcore.dialog.v1` document. Its cross-references
+# (`parent_seq`, `head_seq`: seqs of its own messages) and the ChatGPT form (`mapping`,
+# `current_node`) are in the description and README; both are checked by `importer`.
+IMPORT_BODY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "A `chatcore.dialog.v1` document (as GET .../export?format=json gives; "
+    "`parent_seq` and `head_seq` name seqs of its own messages), or one conversation of a "
+    "ChatGPT data export (`title`, `mapping`, `current_node`).",
+    "required": ["format", "messages"],
+    "properties": {
+        "format": {"const": export.FORMAT},
+        "title": {"type": "string", "maxLength": 200},
+        "messages": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["seq", "role", "content"],
+                "properties": {
+                    "seq": {"type": "integer", "minimum": 1, "maximum": 2**53},
+                    "role": {"enum": ["system", "user", "assistant", "tool"]},
+                    "content": {"type": "string"},
+                },
+            },
+        },
+    },
+}
+
+
 def _user(request: HttpRequest) -> User:
     return cast(User, request.auth)  # type: ignore[attr-defined]
 
@@ -108,7 +136,7 @@ def _read_import(request: HttpRequest) -> importer.ImportedDialog:
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": {"type": "object"}}},
+            "content": {"application/json": {"schema": IMPORT_BODY_SCHEMA}},
         }
     },
 )

@@ -93,18 +93,24 @@ def query_words(q: object) -> list[str]:
 
 
 def search_for_owner(
-    *, owner_id: int, q: object, limit: int = 20, offset: int = 0
+    *,
+    owner_id: int,
+    q: object,
+    limit: int = 20,
+    offset: int = 0,
+    chat: tuple[str, str] | None = None,
 ) -> tuple[list[Hit], int]:
-    """The caller's hits for `q`, best first: (one page, how many there are in all)."""
+    """The caller's hits for `q`, best first: (one page, how many there are in all).
+    `chat` (channel, chat id) keeps to one chat's dialogs (the web chat's socket)."""
     words = query_words(q)
     limit = max(1, min(limit, LIMIT_MAX))
     offset = max(0, offset)
-    titles = _title_hits(owner_id, words)
+    titles = _title_hits(owner_id, words, chat)
     page: list[Hit] = titles[offset : offset + limit]
     message_offset = max(0, offset - len(titles))
     message_limit = limit - len(page)
     rows, message_count = _message_rows(
-        words, owner_id=owner_id, limit=message_limit, offset=message_offset
+        words, owner_id=owner_id, chat=chat, limit=message_limit, offset=message_offset
     )
     for row in rows:
         page.append(_message_hit(row, words))
@@ -127,12 +133,13 @@ def session_pks_matching(*, q: str, limit: int = 1000) -> list[str]:
 # --- Titles ---------------------------------------------------------------------------------
 
 
-def _title_hits(owner_id: int, words: list[str]) -> list[Hit]:
+def _title_hits(owner_id: int, words: list[str], chat: tuple[str, str] | None) -> list[Hit]:
     folded = [w.casefold() for w in words]
-    rows = (
-        Session.objects.filter(owner_id=owner_id, deleted_at__isnull=True)
-        .order_by("-last_active_at")
-        .values_list("channel", "chat_id", "dialog_id", "title", "created_at")
+    sessions = Session.objects.filter(owner_id=owner_id, deleted_at__isnull=True)
+    if chat is not None:
+        sessions = sessions.filter(channel=chat[0], chat_id=chat[1])
+    rows = sessions.order_by("-last_active_at").values_list(
+        "channel", "chat_id", "dialog_id", "title", "created_at"
     )
     hits = []
     for channel, chat_id, dialog_id, title, created_at in rows.iterator(chunk_size=500):
@@ -159,22 +166,26 @@ _COLUMNS = "m.seq, m.role, m.content, m.created_at, s.channel, s.chat_id, s.dial
 
 
 def _message_rows(
-    words: list[str], *, owner_id: int, limit: int, offset: int
+    words: list[str], *, owner_id: int, chat: tuple[str, str] | None, limit: int, offset: int
 ) -> tuple[list[tuple[Any, ...]], int]:
     where = " AND s.owner_id = %s AND s.deleted_at IS NULL"
+    scope: list[Any] = [owner_id]
+    if chat is not None:
+        where += " AND s.channel = %s AND s.chat_id = %s"
+        scope += list(chat)
     rows: list[tuple[Any, ...]] = []
     with connection.cursor() as cursor:
         if limit > 0:
             sql, params = _match_sql(words, select=_COLUMNS, where=where, ranked=True)
             cursor.execute(
                 f"{sql} ORDER BY rank, m.created_at DESC LIMIT %s OFFSET %s",
-                [*params, owner_id, limit, offset],
+                [*params, *scope, limit, offset],
             )
             rows = [tuple(r) for r in cursor.fetchall()]
             if 0 < len(rows) < limit or (not rows and offset == 0):
                 return rows, offset + len(rows)  # the last page: no count needed
         sql, params = _match_sql(words, select="COUNT(*)", where=where, ranked=False)
-        cursor.execute(sql, [*params, owner_id])
+        cursor.execute(sql, [*params, *scope])
         return rows, int(cursor.fetchone()[0])
 
 

@@ -298,6 +298,14 @@ async def test_chatgpt_conversation_imports_its_active_branch(
             "nowhere",
         ),
         ({"hello": "world"}, "mapping"),
+        # Values of the wrong JSON type where a name is expected (found by fuzzing).
+        (
+            {"format": "chatcore.dialog.v1", "messages": [{"seq": 1, "role": {}, "content": ""}]},
+            "role",
+        ),
+        ({"mapping": {"a": {"parent": ["x"], "message": None}}, "current_node": "a"}, "parent"),
+        ({"mapping": {"a": {"parent": None, "message": None}}, "current_node": {}}, "current_node"),
+        ({"format": "chatcore.dialog.v1", "head_seq": [1], "messages": []}, "head_seq"),
     ],
 )
 async def test_bad_documents_get_400_and_create_nothing(

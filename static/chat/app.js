@@ -14,16 +14,21 @@
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over
  *   frames.js     what each server frame does to the page
+ *   search.js     the sidebar's search (Ctrl+K), opening a hit at its message
+ *   carry.js      export, import and share links (dialog menu, sidebar)
+ *   share.js      the public share page's Markdown (its own page, not this one)
  *
  * The server owns all state; this page mirrors it. The socket reconnects with exponential
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
  * state (resync). A normal turn never reloads it.
  */
+import { bindCarry } from "./carry.js";
 import { autosize, bindComposer, stopTurn, updateRunning } from "./composer.js";
 import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
 import { onScroll } from "./render.js";
+import { bindSearch, onSearchFrame } from "./search.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
 import { hasSocket, reconnectNow, start } from "./transport.js";
@@ -38,7 +43,7 @@ function onEscape(event) {
     closeMenu();
     return;
   }
-  if ($("confirm-dialog").open) {
+  if ($("confirm-dialog").open || $("share-dialog").open) {
     return;
   }
   if (isSidebarOpen()) {
@@ -56,6 +61,8 @@ function init() {
   bindComposer();
   document.addEventListener("keydown", onEscape);
   bindSidebar();
+  bindSearch();
+  bindCarry();
   bindHeader();
   $("reconnect-now").addEventListener("click", reconnectNow);
   $("jump-latest").addEventListener("click", function () {
@@ -90,7 +97,10 @@ function init() {
   updateRunning();
   autosize();
   start({
-    onFrame: handleFrame,
+    onFrame: function (frame) {
+      handleFrame(frame);
+      onSearchFrame(frame); // search results, and the jump to a found message (H2)
+    },
     onStatus: setConnection,
     onCountdown: showCountdown,
     onLost: connectionLost,

@@ -22,6 +22,7 @@ spans to highlight in it.
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
+from django.db.models import Sum
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -41,6 +43,9 @@ QUERY_MAX_WORDS = 10
 LIMIT_MAX = 100
 SNIPPET_BEFORE = 60
 SNIPPET_CHARS = 200
+# Up to this many messages of one user (in the chat searched) are read directly rather than
+# found through the index (`_message_rows`).
+OWNER_SCAN_MAX = 20_000
 
 _SEARCHABLE = "m.role IN ('user', 'assistant')"
 # Scripts written without spaces between words: matched as substrings on PostgreSQL.
@@ -173,10 +178,15 @@ def _message_rows(
     if chat is not None:
         where += " AND s.channel = %s AND s.chat_id = %s"
         scope += list(chat)
+    # A user with few messages: read theirs, not the index. A frequent word is in a large
+    # share of everyone's messages; the index would hand all of them to the owner filter.
+    indexed = _owner_messages(owner_id, chat) > OWNER_SCAN_MAX
     rows: list[tuple[Any, ...]] = []
     with connection.cursor() as cursor:
         if limit > 0:
-            sql, params = _match_sql(words, select=_COLUMNS, where=where, ranked=True)
+            sql, params = _match_sql(
+                words, select=_COLUMNS, where=where, ranked=True, indexed=indexed
+            )
             cursor.execute(
                 f"{sql} ORDER BY rank, m.created_at DESC LIMIT %s OFFSET %s",
                 [*params, *scope, limit, offset],
@@ -184,18 +194,32 @@ def _message_rows(
             rows = [tuple(r) for r in cursor.fetchall()]
             if 0 < len(rows) < limit or (not rows and offset == 0):
                 return rows, offset + len(rows)  # the last page: no count needed
-        sql, params = _match_sql(words, select="COUNT(*)", where=where, ranked=False)
+        sql, params = _match_sql(
+            words, select="COUNT(*)", where=where, ranked=False, indexed=indexed
+        )
         cursor.execute(sql, [*params, *scope])
         return rows, int(cursor.fetchone()[0])
 
 
-def _match_sql(words: list[str], *, select: str, where: str, ranked: bool) -> tuple[str, list[Any]]:
+def _owner_messages(owner_id: int, chat: tuple[str, str] | None) -> int:
+    sessions = Session.objects.filter(owner_id=owner_id, deleted_at__isnull=True)
+    if chat is not None:
+        sessions = sessions.filter(channel=chat[0], chat_id=chat[1])
+    return int(sessions.aggregate(n=Sum("total_message_count"))["n"] or 0)
+
+
+def _match_sql(
+    words: list[str], *, select: str, where: str, ranked: bool, indexed: bool = True
+) -> tuple[str, list[Any]]:
     """The statement finding the messages that hold every word; `ranked` adds a `rank`
     column (lower is better) for the ordering; `where` adds conditions on `s` (the dialog),
-    whose parameters the caller appends."""
+    whose parameters the caller appends. `indexed`: through the search index, else the
+    messages of the dialogs `where` selects, read one by one."""
     if connection.vendor == "postgresql":
-        return _match_postgresql(words, select=select, where=where, ranked=ranked)
-    return _match_sqlite(words, select=select, where=where, ranked=ranked)
+        return _match_postgresql(words, select=select, where=where, ranked=ranked, indexed=indexed)
+    if indexed:
+        return _match_sqlite(words, select=select, where=where, ranked=ranked)
+    return _scan_sqlite(words, select=select, where=where, ranked=ranked)
 
 
 def _like(word: str) -> str:
@@ -204,9 +228,12 @@ def _like(word: str) -> str:
 
 
 def _match_postgresql(
-    words: list[str], *, select: str, where: str, ranked: bool
+    words: list[str], *, select: str, where: str, ranked: bool, indexed: bool
 ) -> tuple[str, list[Any]]:
     table_m, table_s = Message._meta.db_table, Session._meta.db_table
+    # The indexes' own expression, so the planner can use `idx_message_fts` and
+    # `idx_message_trgm`; another one (the same text) when the owner's rows are to be read.
+    text = "m.content" if indexed else "(m.content || '')"
     prefixes: list[str] = []
     substrings: list[str] = []
     for word in words:
@@ -222,9 +249,8 @@ def _match_postgresql(
     rank_params: list[Any] = []
     if prefixes:
         tsquery = " & ".join(prefixes)
-        # The expression is the index's own, so the planner can use `idx_message_fts`.
         conditions.append(
-            "to_tsvector('simple'::regconfig, m.content) @@ to_tsquery('simple'::regconfig, %s)"
+            f"to_tsvector('simple'::regconfig, {text}) @@ to_tsquery('simple'::regconfig, %s)"
         )
         params.append(tsquery)
         rank_terms.append(
@@ -233,7 +259,7 @@ def _match_postgresql(
         )
         rank_params.append(tsquery)
     for word in substrings:
-        conditions.append("m.content ILIKE %s")
+        conditions.append(f"{text} ILIKE %s")
         params.append(_like(word))
         # How often the word occurs, a little less for long texts.
         rank_terms.append(
@@ -276,6 +302,39 @@ def _match_sqlite(
         f" WHERE {' AND '.join(conditions)}{where}"
     )
     return sql, params
+
+
+def _scan_sqlite(
+    words: list[str], *, select: str, where: str, ranked: bool
+) -> tuple[str, list[Any]]:
+    """The owner's messages read one by one, matched (and ranked) in Python with the same
+    Unicode case folding as the titles."""
+    table_m, table_s = Message._meta.db_table, Session._meta.db_table
+    connection.ensure_connection()
+    connection.connection.create_function("chat_match", 2, _match_score, deterministic=True)
+    packed = "\x1f".join(w.casefold() for w in words)
+    rank_sql = ", -chat_match(m.content, %s) AS rank" if ranked else ""
+    sql = (
+        f"SELECT {select}{rank_sql}"  # noqa: S608 (our tables; values are parameters)
+        f' FROM "{table_s}" s JOIN "{table_m}" m ON m.session_id = s.id'
+        f" WHERE {_SEARCHABLE} AND chat_match(m.content, %s) > 0{where}"
+    )
+    return sql, [*([packed] if ranked else []), packed]
+
+
+def _match_score(content: str | None, packed: str) -> float:
+    """How well `content` matches: 0 unless it holds every word (`packed`, casefolded,
+    joined by U+001F); else the occurrences, a little less for long texts."""
+    if not content:
+        return 0.0
+    folded = content.casefold()
+    total = 0
+    for word in packed.split("\x1f"):
+        found = folded.count(word)
+        if not found:
+            return 0.0
+        total += found
+    return total / math.log(2.7 + len(content) / 1000)
 
 
 def _message_hit(row: tuple[Any, ...], words: list[str]) -> Hit:

@@ -15,6 +15,14 @@ from tests.carry_helpers import dialog_with
 pytestmark = [pytest.mark.django_db, pytest.mark.both_dbs]
 
 
+@pytest.fixture(autouse=True, params=["index", "scan"])
+def read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test through both ways of reading: the search index (a user with many
+    messages) and the user's own messages read directly (a user with few)."""
+    monkeypatch.setattr(search, "OWNER_SCAN_MAX", 0 if request.param == "index" else 10**9)
+    return str(request.param)
+
+
 def _hits(user: Any, q: str, **kw: Any) -> list[search.Hit]:
     return search.search_for_owner(owner_id=user.pk, q=q, **kw)[0]
 

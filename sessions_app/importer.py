@@ -214,6 +214,12 @@ def _ours(document: dict[str, Any]) -> ImportedDialog:
                 _("%(where)s: parent_seq must be a seq or null.") % {"where": where}
             )
         by_seq[seq] = {**item, "_where": where}
+    # A message without `parent_seq` follows the one before it by seq (a document written
+    # as one line); `null` makes it a first message.
+    previous: int | None = None
+    for seq in sorted(by_seq):
+        by_seq[seq].setdefault("parent_seq", previous)
+        previous = seq
     for item in by_seq.values():
         parent = item.get("parent_seq")
         if parent is not None and parent not in by_seq:
@@ -229,7 +235,9 @@ def _ours(document: dict[str, Any]) -> ImportedDialog:
     ):
         raise InvalidDocument(_("head_seq is not a message of the dialog."))
     path = _walk(head, lambda seq: by_seq[seq].get("parent_seq"), where="parent_seq")
-    messages = [_our_message(by_seq[seq]) for seq in path]
+    # Every message is checked, also those of the branches not stored.
+    checked = {seq: _our_message(item) for seq, item in by_seq.items()}
+    messages = [checked[seq] for seq in path]
     return ImportedDialog(
         title=_title(document.get("title"), ""),
         created_at=_time(document.get("created_at"), "created_at"),
@@ -323,11 +331,12 @@ def _chatgpt(document: dict[str, Any], *, where: str) -> ImportedDialog:
     if not isinstance(head, str) or head not in mapping:
         raise InvalidDocument(_("%(where)scurrent_node is not in the mapping.") % {"where": where})
     path = _walk(head, lambda key: mapping[key].get("parent"), where=f"{where}mapping")
-    messages = []
-    for key in path:
-        imported = _chatgpt_message(mapping[key], where=f"{where}mapping[{key[:60]!r}]")
-        if imported is not None:
-            messages.append(imported)
+    # Every node is checked, also those of the branches not stored.
+    checked = {
+        key: _chatgpt_message(node, where=f"{where}mapping[{key[:60]!r}]")
+        for key, node in mapping.items()
+    }
+    messages = [m for m in (checked[key] for key in path) if m is not None]
     return ImportedDialog(
         title=_title(document.get("title"), where),
         created_at=_time(document.get("create_time"), f"{where}create_time"),

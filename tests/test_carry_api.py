@@ -6,6 +6,8 @@ the WebSocket."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
 from typing import Any
 
@@ -415,3 +417,47 @@ async def test_share_of_a_deleted_dialog_is_gone(api: Api, user: Any) -> None:
     await sync_to_async(services.session_purge)(session=session)
     assert not await Share.objects.filter(pk=share["share_id"]).aexists()
     assert (await AsyncClient().get("/s/not-a-share")).status_code == 404
+
+
+async def test_an_imported_dialog_can_be_compacted(
+    api: Api, user: Any, fake_model: FakeModelServer, settings: Any
+) -> None:
+    from sessions_app.models import Compaction
+
+    # The summary job asks the model server of the settings: the fake one.
+    settings.LLM = {**settings.LLM, "BASE_URL": fake_model.url, "RETRY_BASE_DELAY": 0.01}
+
+    messages = [
+        {"seq": i, "role": "user" if i % 2 else "assistant", "content": f"fact number {i}"}
+        for i in range(1, 41)
+    ]
+    status, created = await api.post(
+        "/sessions/import", {"format": "chatcore.dialog.v1", "title": "Facts", "messages": messages}
+    )
+    assert status == 201, created
+    status, data = await api.post(f"/sessions/{created['session_id']}/compact")
+    assert status == 202, data
+    for _ in range(300):
+        compaction = await Compaction.objects.filter(
+            session__dialog_id=created["dialog_id"]
+        ).afirst()
+        if compaction is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert compaction is not None and 1 <= compaction.through_seq <= 40
+    # The stored messages are untouched.
+    assert [
+        c
+        async for c in Message.objects.filter(session__dialog_id=created["dialog_id"])
+        .order_by("seq")
+        .values_list("content", flat=True)
+    ] == [m["content"] for m in messages]
+
+
+async def test_a_bad_message_on_another_branch_is_refused_too(api: Api, user: Any) -> None:
+    doc = copy.deepcopy(CHATGPT)
+    doc["mapping"]["a1"]["message"]["author"]["role"] = "narrator"  # a1 is off the active path
+    status, data = await api.post("/sessions/import", doc)
+    error_of(status, data, 400, "bad_request")
+    assert "a1" in data["message"] and "narrator" in data["message"]
+    assert await _session_count(user) == 0

@@ -16,7 +16,7 @@ them in batches, its triggers filling the FTS5 index. Then `--queries` searches 
 users through `search.search_for_owner` (the REST route's and the WebSocket's selector,
 titles and count included), by kind: a frequent word, a rare word, two words, a word being
 typed (a prefix), two Chinese characters, four. Prints the load time and p50 / p95 / p99 in
-ms per kind and overall.
+ms per kind and overall; then the time of an import of a `--import-messages` dialog.
 """
 
 from __future__ import annotations
@@ -145,6 +145,42 @@ def load_sqlite(sessions: list[tuple[str, int]], messages: Iterator[str], total:
         c.execute("ANALYZE")
 
 
+def time_import(count: int, rng: random.Random, vocab: list[str], owner_id: int) -> None:
+    """A `chatcore.dialog.v1` document of `count` messages through the import route's two
+    steps: read and checked whole, then written."""
+    import json
+
+    from django.contrib.auth import get_user_model
+
+    from sessions_app import importer
+
+    document = {
+        "format": "chatcore.dialog.v1",
+        "title": "imported",
+        "messages": [
+            {
+                "seq": i + 1,
+                "parent_seq": i or None,
+                "role": "user" if i % 2 == 0 else "assistant",
+                "content": text,
+                "created_at": "2026-01-01T00:00:00+00:00",
+            }
+            for i, text in enumerate(texts(rng, vocab, count))
+        ],
+    }
+    raw = json.dumps(document).encode()
+    owner = get_user_model().objects.get(pk=owner_id)
+    started = time.perf_counter()
+    dialog = importer.parse_bytes(raw)
+    checked = time.perf_counter()
+    importer.dialog_import(owner=owner, dialog=dialog, announce=False)
+    done = time.perf_counter()
+    print(
+        f"import of {count} messages ({len(raw) / 1e6:.1f} MB): checked in"
+        f" {checked - started:.2f} s, written in {done - checked:.2f} s"
+    )
+
+
 def main(args: argparse.Namespace) -> None:
     drop = in_process_database(args.database_url, "search-bench-")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "chatcore.settings")
@@ -225,6 +261,8 @@ def main(args: argparse.Namespace) -> None:
             f"| all | {len(everything)} | | {p(everything, 0.5):.1f}"
             f" | {p(everything, 0.95):.1f} | {p(everything, 0.99):.1f} |"
         )
+        if args.import_messages:
+            time_import(args.import_messages, rng, vocab, owners[0])
     finally:
         connection.close()
         drop()
@@ -238,4 +276,7 @@ if __name__ == "__main__":
     parser.add_argument("--dialogs", type=int, default=20, help="dialogs per user")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--seed", type=int, default=51)
+    parser.add_argument(
+        "--import-messages", type=int, default=10_000, help="then time an import (0: none)"
+    )
     main(parser.parse_args())

@@ -71,6 +71,18 @@ def test_search_opens_the_hit_at_its_message(tab: Tab) -> None:
     expect(found.locator(".bubble")).to_have_text("明天的天气预报说有雨")
     expect(found).to_be_in_viewport()
 
+    # The highlight spans count code points, as the server does (an emoji is one).
+    pieces = page.evaluate(
+        "async () => (await import('/static/chat/search.js'))"
+        ".snippetPieces('\U0001f600 ab cd', [[2, 4], [5, 99]])"
+    )
+    assert pieces == [
+        {"text": "\U0001f600 ", "mark": False},
+        {"text": "ab", "mark": True},
+        {"text": " ", "mark": False},
+        {"text": "cd", "mark": True},
+    ]
+
     # Esc in the box clears the search and brings the dialog list back.
     page.keyboard.press("Control+K")
     page.keyboard.press("Escape")

@@ -78,3 +78,23 @@ def test_import_dialogs_command_writes_nothing_when_one_is_bad(
     assert "Imported 1 dialog(s) for dave; skipped 1." in out.getvalue()
     with pytest.raises(CommandError, match="No user named"):
         call_command("import_dialogs", "nobody", path)
+
+
+def test_operators_see_and_revoke_share_links(client: Client, make_user: Any) -> None:
+    from sessions_app import shares
+    from sessions_app.models import Share
+
+    client.force_login(make_user("operator", staff=True))
+    erin = make_user("erin")
+    session = dialog_with(erin, "a shared question", "a shared answer", title="Shared")
+    share = shares.share_create(owner=erin, session=session)
+    changelist = reverse("admin:sessions_app_share_changelist")
+    response = client.get(changelist, {"q": "erin"})
+    assert response.status_code == 200
+    assert [s.pk for s in response.context["cl"].result_list] == [share.pk]
+    response = client.post(
+        reverse("admin:sessions_app_share_delete", args=[share.pk]), {"post": "yes"}
+    )
+    assert response.status_code == 302
+    assert not Share.objects.filter(pk=share.pk).exists()
+    assert client.get(shares.share_url(share.pk)).status_code == 404

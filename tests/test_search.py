@@ -66,12 +66,28 @@ def test_deleted_dialogs_drop_out_and_purged_leave_nothing(user: Any) -> None:
     services.session_purge(session=session)
     assert _hits(user, "pineapple") == []
     assert search.session_pks_matching(q="pineapple") == []
+    assert _index_rows() == 0
+
+
+def _index_rows() -> int:
+    """Rows left in SQLite's search index (PostgreSQL's indexes are the table's own)."""
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT (SELECT COUNT(*) FROM sessions_app_search_doc)"
+            " + (SELECT COUNT(*) FROM sessions_app_message_fts)"
+        )
+        return int(cursor.fetchone()[0])
 
 
 def test_cleared_history_is_not_found(user: Any) -> None:
     session = dialog_with(user, "the walrus sings", "lovely")
     services.messages_clear(session=session)
     assert _hits(user, "walrus") == []
+    assert _index_rows() == 0
 
 
 def test_best_first_pages_and_count(user: Any) -> None:

@@ -11,6 +11,12 @@ database's own (migration `0011_search_and_shares`):
   bm25. Words shorter than three characters (two Chinese characters) have no trigram: they
   filter the rows the other words found, or, alone, scan the index's text.
 
+A user with up to `OWNER_SCAN_MAX` messages (in the chat searched) is matched by reading their
+own messages instead, with the same rules (PostgreSQL: a regular expression for a word's
+start, ILIKE for a substring; SQLite: substrings, casefolded in Python): a frequent word is
+in a large share of everyone's messages, and the index would hand all of them to the owner
+filter, where the reader's own history is small.
+
 Messages of the user and the assistant are searched (not welcome notes or tool output), and
 titles. Owner-scoped, live dialogs only: a deleted dialog drops out at once (the query joins
 its row), and a purged one leaves nothing (the index entries go with the rows). Titles are
@@ -35,6 +41,7 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 
 from chatcore.common.errors import BadRequest
+from chatcore.common.ids import storable_text
 
 from .models import Message, Session
 
@@ -88,6 +95,8 @@ def query_words(q: object) -> list[str]:
         raise BadRequest(
             _("A search query may have at most %(n)d characters.") % {"n": QUERY_MAX_CHARS}
         )
+    if not storable_text(q.replace("\x00", "")):
+        raise BadRequest(_("The search query must be text."))
     text = unicodedata.normalize("NFC", q.replace("\x00", ""))
     words = list(dict.fromkeys(w for w in text.split() if w))
     if not words:

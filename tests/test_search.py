@@ -131,3 +131,10 @@ def test_short_words_and_prefixes(user: Any) -> None:
     assert len(_hits(user, "postgres")) == 1  # the start of a word
     assert len(_hits(user, "db postgres")) == 0
     assert len(_hits(user, "th")) == 1
+
+
+def test_a_lone_surrogate_is_refused(user: Any) -> None:
+    from chatcore.common.errors import BadRequest
+
+    with pytest.raises(BadRequest):
+        search.search_for_owner(owner_id=user.pk, q="a \ud800 b")

@@ -9,7 +9,7 @@ from django.utils.translation import gettext as _
 def carry_strings() -> dict[str, str]:
     return {
         "search_no_results": _("No matches"),
-        "search_count": _("%(n)s matches"),
+        "search_count": _("Matches: %(n)s"),
         "search_in_title": _("Title"),
         "search_you": _("You"),
         "search_assistant": _("Assistant"),

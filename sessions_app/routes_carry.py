@@ -20,6 +20,7 @@ from chatcore.common.errors import TooLarge
 from chatcore.engine import clientstate, limits, runtime
 
 from . import export, importer, search, selectors, shares
+from .routes import _session_links
 from .schemas import ErrorOut, SessionOut, ValidationErrorOut
 from .schemas_carry import SearchOut, ShareOut
 
@@ -137,7 +138,9 @@ def _read_import(request: HttpRequest) -> importer.ImportedDialog:
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": IMPORT_BODY_SCHEMA}},
-        }
+        },
+        # As for a created dialog: what clients and fuzzers do next with an imported one.
+        "responses": {201: _session_links("retry_session", "continue_session")},
     },
 )
 async def import_session(request: HttpRequest) -> Status[Any]:

@@ -236,6 +236,13 @@ async def test_export_then_import_round_trip(api: Api, user: Any) -> None:
     assert comparable(again) == comparable(original)
     assert again["head_seq"] == original["head_seq"]
 
+    # Markdown shows the tool call and its result in a line each, and the cut answer's status.
+    _s, body, _r = await _export(api, session.session_id, format="markdown")
+    text = body.decode()
+    assert '> 🔧 `weather` {"city": "Oslo"}' in text
+    assert "> ↩ Result of weather: rain" in text
+    assert "It rains in Os\n\n*(truncated)*" in text
+
 
 # --- Import ---------------------------------------------------------------------------------
 

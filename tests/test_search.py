@@ -138,3 +138,15 @@ def test_a_lone_surrogate_is_refused(user: Any) -> None:
 
     with pytest.raises(BadRequest):
         search.search_for_owner(owner_id=user.pk, q="a \ud800 b")
+
+
+def test_snippets_are_cut_around_the_first_match_and_highlighted() -> None:
+    text = "start " + "filler words here " * 20 + "the NEEDLE is here " + "tail " * 60
+    snippet = search.make_snippet(text, ["needle"])
+    assert snippet.startswith("…") and snippet.endswith("…")
+    assert len(snippet) <= search.SNIPPET_CHARS + 2
+    assert [snippet[a:b] for a, b in search.highlight_spans(snippet, ["needle"])] == ["NEEDLE"]
+    short = search.make_snippet("line one\n\nneedle  two", ["needle"])
+    assert short == "line one needle two"  # one line, whitespace folded
+    # Overlapping words are one highlight; the spans count code points.
+    assert search.highlight_spans("😀 abcd", ["abc", "bcd"]) == [[2, 6]]

@@ -47,6 +47,7 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/sessions/{session_id}/retry": {"post"},
         "/api/v1/sessions/{session_id}/continue": {"post"},
         "/api/v1/turns/{turn_id}": {"get"},
+        "/api/v1/models": {"get"},
         # H2: search, export, import, share links.
         "/api/v1/search": {"get"},
         "/api/v1/sessions/{session_id}/export": {"get"},

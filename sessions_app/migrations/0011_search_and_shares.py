@@ -86,7 +86,7 @@ def _run(statements: dict[str, list[str]]):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0009_ids_from_blocks_of_randomness"),
+        ("sessions_app", "0014_audit"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -13,6 +13,7 @@
  *   composer.js   send / stop / queued chips / read-only note
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over
+ *   settings.js   the dialog's model picker, settings panel and token usage (H4)
  *   frames.js     what each server frame does to the page
  *   search.js     the sidebar's search (Ctrl+K), opening a hit at its message
  *   carry.js      export, import and share links (dialog menu, sidebar)
@@ -29,6 +30,7 @@ import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
 import { onScroll } from "./render.js";
 import { bindSearch, onSearchFrame } from "./search.js";
+import { bindSettings } from "./settings.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
 import { hasSocket, reconnectNow, start } from "./transport.js";
@@ -64,6 +66,7 @@ function init() {
   bindSearch();
   bindCarry();
   bindHeader();
+  bindSettings();
   $("reconnect-now").addEventListener("click", reconnectNow);
   $("jump-latest").addEventListener("click", function () {
     var s = $("transcript");

@@ -29,6 +29,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
+from audit.trail import Action, Actor, audit_dialog
 from chatcore.common import events, publish
 from chatcore.common.errors import ChatError, TooLarge
 from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
@@ -404,8 +405,11 @@ def chatgpt_conversations(document: Any) -> Iterator[tuple[str, ImportedDialog]]
 # --- Writing --------------------------------------------------------------------------------
 
 
-def dialog_import(*, owner: User, dialog: ImportedDialog, announce: bool = True) -> Session:
-    """Write a checked dialog as a new dialog of `owner`'s web chat, in one transaction."""
+def dialog_import(
+    *, owner: User, dialog: ImportedDialog, announce: bool = True, actor: Actor | None = None
+) -> Session:
+    """Write a checked dialog as a new dialog of `owner`'s web chat, in one transaction, with
+    its audit record (H5; `actor` None: the owner)."""
     now = timezone.now()
     key = SessionKey.build("web", owner_chat_id(owner.pk), new_dialog_id())
 
@@ -451,6 +455,12 @@ def dialog_import(*, owner: User, dialog: ImportedDialog, announce: bool = True)
                     batch = []
             if batch:
                 Message.objects.bulk_create(batch)
+            audit_dialog(
+                actor=actor or Actor.of_user(owner),
+                action=Action.DIALOG_IMPORT,
+                session=session,
+                messages=n,
+            )
             if announce:
                 transaction.on_commit(lambda: _announce(session))
             return session

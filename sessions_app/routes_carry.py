@@ -15,6 +15,7 @@ from django.http import HttpRequest, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 from ninja import Query, Router, Status
 
+from audit.trail import Actor, client_ip
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import TooLarge
 from chatcore.engine import clientstate, limits, runtime
@@ -60,6 +61,11 @@ IMPORT_BODY_SCHEMA: dict[str, Any] = {
 
 def _user(request: HttpRequest) -> User:
     return cast(User, request.auth)  # type: ignore[attr-defined]
+
+
+def _actor(request: HttpRequest, user: User) -> Actor:
+    """The caller, for the audit records of imports and share links (H5)."""
+    return Actor.of_user(user, ip=client_ip(request.META), via="rest")
 
 
 @router.get(
@@ -150,7 +156,7 @@ async def import_session(request: HttpRequest) -> Status[Any]:
     dialog = await sync_to_async(_read_import, thread_sensitive=False)(request)
 
     def write() -> dict[str, Any]:
-        session = importer.dialog_import(owner=user, dialog=dialog)
+        session = importer.dialog_import(owner=user, dialog=dialog, actor=_actor(request, user))
         return clientstate.session_state(session, engine)
 
     return Status(201, await on_db(write)())
@@ -170,7 +176,8 @@ async def share_session(request: HttpRequest, session_id: str) -> Status[Any]:
 
     def write() -> dict[str, Any]:
         session = selectors.session_get_for_owner(owner_id=user.pk, session_id=session_id)
-        return shares.share_item(shares.share_create(owner=user, session=session), session)
+        share = shares.share_create(owner=user, session=session, actor=_actor(request, user))
+        return shares.share_item(share, session)
 
     return Status(201, await on_db(write)())
 
@@ -193,5 +200,7 @@ async def list_shares(request: HttpRequest) -> list[dict[str, Any]]:
 )
 async def revoke_share(request: HttpRequest, share_id: str) -> Status[None]:
     user = _user(request)
-    await on_db(shares.share_revoke)(owner_id=user.pk, share_id=share_id)
+    await on_db(shares.share_revoke)(
+        owner_id=user.pk, share_id=share_id, actor=_actor(request, user)
+    )
     return Status(204, None)

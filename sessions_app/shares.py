@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.db import transaction
 from django.utils.translation import gettext as _
 
+from audit.trail import Action, Actor, TargetType, audit_record
 from chatcore.common.errors import NotFound
 
 from .models import Message, Session, Share
@@ -54,9 +55,9 @@ def _snapshot_message(message: Message) -> dict[str, Any]:
     return item
 
 
-def share_create(*, owner: User, session: Session) -> Share:
+def share_create(*, owner: User, session: Session, actor: Actor | None = None) -> Share:
     """Freeze the active path of the caller's dialog (found through the owner-scoped
-    selectors) into a new share."""
+    selectors) into a new share, with its audit record (H5; `actor` None: the owner)."""
 
     def write() -> Share:
         with transaction.atomic():
@@ -64,9 +65,11 @@ def share_create(*, owner: User, session: Session) -> Share:
                 session_id=session.pk, role__in=SHARED_ROLES
             ).order_by("seq")
             snapshot = [_snapshot_message(m) for m in messages.iterator(chunk_size=500)]
-            return Share.objects.create(
+            share = Share.objects.create(
                 owner=owner, session=session, title=session.title, messages=snapshot
             )
+            _audit(actor or Actor.of_user(owner), Action.SHARE_CREATE, share, session)
+            return share
 
     return storage_retry(write, what="share_create")
 
@@ -76,13 +79,39 @@ def share_list_for_owner(*, owner_id: int) -> list[dict[str, Any]]:
     return [share_item(s) for s in shares.order_by("-created_at")]
 
 
-def share_revoke(*, owner_id: int, share_id: str) -> Share:
+def share_revoke(*, owner_id: int, share_id: str, actor: Actor) -> Share:
     """Delete the caller's share (another user's is not found); the page then answers 404."""
-    share = Share.objects.filter(pk=share_id, owner_id=owner_id).defer("messages").first()
+    share = (
+        Share.objects.filter(pk=share_id, owner_id=owner_id)
+        .select_related("session")
+        .defer("messages")
+        .first()
+    )
     if share is None:
         raise NotFound(_("Share link not found."))
-    storage_retry(lambda: Share.objects.filter(pk=share.pk).delete(), what="share_revoke")
+    share_delete(share=share, actor=actor)
     return share
+
+
+def share_delete(*, share: Share, actor: Actor) -> None:
+    """Revoke a share (its owner, or an operator in the admin), with its audit record."""
+
+    def write() -> None:
+        with transaction.atomic():
+            if Share.objects.filter(pk=share.pk).delete()[0]:
+                _audit(actor, Action.SHARE_REVOKE, share, share.session)
+
+    storage_retry(write, what="share_revoke")
+
+
+def _audit(actor: Actor, action: Action, share: Share, session: Session) -> None:
+    audit_record(
+        actor=actor,
+        action=action,
+        target_type=TargetType.SHARE,
+        target_id=str(share.pk),
+        details={"session_id": session.session_id, "owner_id": share.owner_id},
+    )
 
 
 def share_get_public(*, share_id: str) -> Share:

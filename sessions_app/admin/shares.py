@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin
+from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.translation import gettext_lazy as _
 
 from ..models import Share
-from ..shares import share_url
+from ..shares import share_delete, share_url
+from .history import admin_actor
 
 
 @admin.register(Share)
@@ -35,3 +37,11 @@ class ShareAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    # A revoke goes through the service, which writes its audit record (H5).
+    def delete_model(self, request: HttpRequest, obj: Share) -> None:
+        share_delete(share=obj, actor=admin_actor(request))
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Share]) -> None:
+        for share in queryset.select_related("session"):
+            share_delete(share=share, actor=admin_actor(request))

@@ -15,6 +15,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 
+from audit.trail import Actor
 from sessions_app import importer
 
 
@@ -94,8 +95,9 @@ class Command(BaseCommand):
                 f"(--skip-invalid imports the others):\n{shown}"
             )
         progress = ProgressBar(len(dialogs), self.stderr)
+        actor = Actor.system(via="manage.py import_dialogs")
         for done, (label, dialog) in enumerate(dialogs, start=1):
-            importer.dialog_import(owner=user, dialog=dialog)
+            importer.dialog_import(owner=user, dialog=dialog, actor=actor)
             progress.update(done, label)
         for problem in problems:
             self.stderr.write(f"skipped {problem}")

@@ -345,6 +345,9 @@ CHAT: dict[str, Any] = {
     # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
     # paths of functions taking the engine, which spawn supervised tasks on it.
     "ENGINE_SERVICES": [],
+    # H2: the largest document `POST /sessions/import` reads, and messages it takes.
+    "IMPORT_MAX_BYTES": _env_int("CHAT_IMPORT_MAX_BYTES", 50 * 1024 * 1024),
+    "IMPORT_MAX_MESSAGES": _env_int("CHAT_IMPORT_MAX_MESSAGES", 100_000),
 }
 
 # Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.

@@ -31,7 +31,7 @@ from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_pa
 from chatcore.engine import commands, limits, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
 
-from . import logins, selectors
+from . import logins, search, selectors
 from .connection import ChannelConnection, resolve_attachments
 from .frames import optional_int, parse_client_frame
 from .models import Session
@@ -338,6 +338,23 @@ class ChatConsumer(ChatEventsConsumer):
     async def _on_sessions(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         await self._send_sessions(client_msg_id)
 
+    async def _on_search(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # H2: the caller's own live dialogs of this web chat (the ones it can open),
+        # answered by `search_results`.
+        assert self.user is not None
+        limit = optional_int(data, "limit", low=1, high=search.LIMIT_MAX) or 20
+        hits, count = await on_db_idempotent(search.search_for_owner)(
+            owner_id=self.user.pk, q=data.get("q"), limit=limit, chat=(CHANNEL, self.chat_id)
+        )
+        await self._send(
+            events.search_results_frame(
+                q=str(data.get("q")),
+                items=[h.as_dict() for h in hits],
+                count=count,
+                client_msg_id=client_msg_id,
+            )
+        )
+
     async def _on_settings(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         """H4: set the dialog's model and/or system prompt; answered by `session_updated`."""
         assert self.conn is not None and self.user is not None
@@ -371,5 +388,6 @@ class ChatConsumer(ChatEventsConsumer):
         "continue": _on_continue,
         "history": _on_history,
         "sessions": _on_sessions,
+        "search": _on_search,
         "settings": _on_settings,
     }

@@ -71,13 +71,20 @@ class FileUse(models.Model):
     """A dialog in which a message attached the file."""
 
     id = models.BigAutoField(primary_key=True)
-    file = models.ForeignKey(File, on_delete=models.CASCADE, related_name="uses")
-    session = models.ForeignKey(
-        "sessions_app.Session", on_delete=models.CASCADE, related_name="file_uses"
+    file = models.ForeignKey(
+        File, on_delete=models.CASCADE, related_name="uses", verbose_name=_("file")
     )
-    created_at = models.DateTimeField(default=timezone.now)
+    session = models.ForeignKey(
+        "sessions_app.Session",
+        on_delete=models.CASCADE,
+        related_name="file_uses",
+        verbose_name=_("dialog"),
+    )
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
 
     class Meta:
+        verbose_name = _("file use")
+        verbose_name_plural = _("file uses")
         constraints = [
             models.UniqueConstraint(fields=["file", "session"], name="uniq_file_use"),
         ]

@@ -485,3 +485,6 @@ class ChannelDelivery(models.Model):
 
 # H3: uploaded files live in their own module; imported here so Django registers them.
 from .file_models import File, FileKind, FileUse  # noqa: E402, F401
+
+# H2: share links live in their own module; imported here so Django registers them.
+from .share_models import Share as Share  # noqa: E402

@@ -19,6 +19,7 @@ from django.utils.translation import get_language
 from django.utils.translation import gettext as _
 from django.views.decorators.cache import never_cache
 
+from .web_carry import carry_strings
 from .web_settings import settings_config, settings_strings
 
 WS_PATH = "/ws/chat/"
@@ -106,6 +107,7 @@ def js_strings() -> dict[str, str]:
             "This %(platform)s dialog is read-only for you: its messages and answers appear "
             "here, but you write to it from %(platform)s."
         ),
+        **carry_strings(),
     }
 
 

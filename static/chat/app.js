@@ -15,16 +15,21 @@
  *   sidebar.js    the dialog list, its menu, the phone slide-over
  *   settings.js   the dialog's model picker, settings panel and token usage (H4)
  *   frames.js     what each server frame does to the page
+ *   search.js     the sidebar's search (Ctrl+K), opening a hit at its message
+ *   carry.js      export, import and share links (dialog menu, sidebar)
+ *   share.js      the public share page's Markdown (its own page, not this one)
  *
  * The server owns all state; this page mirrors it. The socket reconnects with exponential
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
  * state (resync). A normal turn never reloads it.
  */
+import { bindCarry } from "./carry.js";
 import { autosize, bindComposer, stopTurn, updateRunning } from "./composer.js";
 import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
 import { onScroll } from "./render.js";
+import { bindSearch, onSearchFrame } from "./search.js";
 import { bindSettings } from "./settings.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
@@ -40,7 +45,7 @@ function onEscape(event) {
     closeMenu();
     return;
   }
-  if ($("confirm-dialog").open) {
+  if ($("confirm-dialog").open || $("share-dialog").open) {
     return;
   }
   if (isSidebarOpen()) {
@@ -58,6 +63,8 @@ function init() {
   bindComposer();
   document.addEventListener("keydown", onEscape);
   bindSidebar();
+  bindSearch();
+  bindCarry();
   bindHeader();
   bindSettings();
   $("reconnect-now").addEventListener("click", reconnectNow);
@@ -93,7 +100,10 @@ function init() {
   updateRunning();
   autosize();
   start({
-    onFrame: handleFrame,
+    onFrame: function (frame) {
+      handleFrame(frame);
+      onSearchFrame(frame); // search results, and the jump to a found message (H2)
+    },
     onStatus: setConnection,
     onCountdown: showCountdown,
     onLost: connectionLost,

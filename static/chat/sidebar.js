@@ -4,6 +4,7 @@
  * badge where they cannot be written to; unread marks; new / switch / rename / delete as
  * silent slash commands; the slide-over on a phone.
  */
+import { carryAction } from "./carry.js";
 import { cleanTitle, dayGroup, fullTime, isLinked, platformName, relativeTime } from "./format.js";
 import { history, store } from "./state.js";
 import { send, sendCommand } from "./transport.js";
@@ -179,6 +180,8 @@ function menuAction(action) {
     startRename(target.item);
   } else if (action === "delete") {
     confirmDelete(target.item);
+  } else {
+    carryAction(action, target.item); // export, share (H2)
   }
 }
 

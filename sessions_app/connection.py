@@ -165,11 +165,18 @@ class ChannelConnection:
         )
 
     async def send_or_command(
-        self, content: str, target: Session, *, mode: str = "send", client_msg_id: str = ""
+        self,
+        content: str,
+        target: Session,
+        *,
+        mode: str = "send",
+        client_msg_id: str = "",
+        literal: bool = False,
     ) -> Ack | commands.CommandResult:
-        """A send whose text starts with `/` runs that slash command (B3); anything else is
-        submitted (the engine refuses a write into a read-only dialog, `read_only`)."""
-        if mode == "send" and commands.is_command(content):
+        """A send whose text starts with `/` runs that slash command (B3) unless the client
+        marked it `literal` (PROTOCOL `send`: "/usr/bin/python crashes" is a message);
+        anything else is submitted (the engine refuses a write into a read-only dialog)."""
+        if mode == "send" and not literal and commands.is_command(content):
             return await self.command(content, target)
         return await self.engine.submit(
             self.inbound(content, mode=mode, client_msg_id=client_msg_id), target

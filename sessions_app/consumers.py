@@ -252,9 +252,12 @@ class ChatConsumer(ChatEventsConsumer):
         content = data.get("content")
         if not isinstance(content, str):
             raise BadRequest(_("content must be a string."))
+        literal = data.get("literal", False)
+        if not isinstance(literal, bool):
+            raise BadRequest(_("literal must be true or false."))
         target = await self._target(data)
         answer = await self.conn.send_or_command(
-            content, target, mode=mode, client_msg_id=client_msg_id or ""
+            content, target, mode=mode, client_msg_id=client_msg_id or "", literal=literal
         )
         if isinstance(answer, commands.CommandResult):
             await self._command_done(answer, target, client_msg_id)

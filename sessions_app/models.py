@@ -20,6 +20,8 @@ def _new_pk() -> str:
 class TitleSource(models.TextChoices):
     DEFAULT = "default", "default"
     USER = "user", "user"
+    # B4: made after the first completed answer; the threshold's title still replaces it.
+    FIRST = "first", "first"
     AUTO = "auto", "auto"
     OPERATOR = "operator", "operator"
 
@@ -39,6 +41,9 @@ class Session(models.Model):
     title_source = models.CharField(
         max_length=16, choices=TitleSource.choices, default=TitleSource.DEFAULT
     )
+    # B4: failed attempts at the title now due (reset when a title commits); at most
+    # 1 + CHAT["TITLE_RETRIES"] attempts per title.
+    title_attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     last_active_at = models.DateTimeField(default=timezone.now, db_index=True)
     # A2: message_count counts user messages only; total counts everything in history.

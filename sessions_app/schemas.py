@@ -30,7 +30,11 @@ def _storable(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_storable)]
+# Length limits go on the string itself, before `_storable` runs: set after it, pydantic
+# checks them as a generic length and speaks of "items" (issue 54).
+Title = Annotated[str, Field(min_length=1, max_length=TITLE_MAX), AfterValidator(_storable)]
+Content = Annotated[str, Field(min_length=1), AfterValidator(_storable)]
+ClientMsgId = Annotated[str, Field(max_length=CLIENT_MSG_ID_MAX), AfterValidator(_storable)]
 IdPart = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
 
@@ -69,11 +73,11 @@ class SessionCreateIn(Schema):
     dialog_id: IdPart | None = Field(
         None, description="Omitted: a new random id. An id of a live dialog answers 409."
     )
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
+    title: Title | None = None
 
 
 class SessionRenameIn(Schema):
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)]
+    title: Title
 
 
 class ToolProgressOut(Schema):
@@ -129,19 +133,24 @@ class SessionListOut(Schema):
 
 
 class MessageIn(Schema):
-    content: Annotated[Text, Field(min_length=1)] = Field(
+    content: Content = Field(
         description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
     mode: Literal["send", "steer", "inject"] = Field(
         "send",
         description="send: a new turn (C1); steer: joins the running turn at its next step, "
         "a send when idle (C4); inject: context without a turn (C5).",
     )
+    literal: bool = Field(
+        False,
+        description="PROTOCOL `send`: the text is a message even when it starts with `/`. "
+        "The REST API never runs slash commands, so every message here is literal already.",
+    )
 
 
 class RetryIn(Schema):
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
 
 
 class MessageOut(Schema):

@@ -26,7 +26,6 @@ from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db_idempotent
-from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
 from chatcore.engine.engine import Engine
 
@@ -160,12 +159,13 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         await self._send(frame)
 
     async def _join_linked(self, frame: dict[str, Any]) -> None:
-        """Follow the chats of the linked chat-app dialogs a `sessions` frame lists (their
-        deltas, terminals and renames reach this connection as the web chat's do)."""
+        """Follow the chats of the other dialogs a `sessions` frame lists (linked chat-app
+        dialogs, the user's API and terminal dialogs): their deltas, terminals and renames
+        reach this connection as the web chat's do."""
         groups = {
             publish.chat_group(item["channel"], item["chat_id"])
             for item in frame["items"]
-            if item["channel"] not in FIRST_PARTY_CHANNELS
+            if (item["channel"], item["chat_id"]) != (CHANNEL, self.chat_id)
         }
         for group in groups - self.linked_groups:
             await self.channel_layer.group_add(group, self.channel_name)

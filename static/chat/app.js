@@ -14,6 +14,11 @@
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over
  *   frames.js     what each server frame does to the page
+ *   draft.js      a new dialog is a draft until its first message
+ *   slash.js      typed slash commands; "Send as a message" for an unknown one
+ *   codehl.js     syntax highlighting of fenced code (vendored highlight.js)
+ *   shortcuts.js  keyboard shortcuts and their "?" sheet
+ *   theme.js      the light / dark / system theme, remembered per browser
  *
  * The server owns all state; this page mirrors it. The socket reconnects with exponential
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
@@ -24,8 +29,10 @@ import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
 import { onScroll } from "./render.js";
+import { bindShortcuts } from "./shortcuts.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
+import { bindTheme } from "./theme.js";
 import { hasSocket, reconnectNow, start } from "./transport.js";
 import { $ } from "./ui.js";
 
@@ -38,8 +45,8 @@ function onEscape(event) {
     closeMenu();
     return;
   }
-  if ($("confirm-dialog").open) {
-    return;
+  if (document.querySelector("dialog[open]")) {
+    return; // a modal (delete confirmation, shortcuts) closes itself
   }
   if (isSidebarOpen()) {
     closeSidebar();
@@ -53,7 +60,9 @@ function onEscape(event) {
 }
 
 function init() {
+  bindTheme();
   bindComposer();
+  bindShortcuts();
   document.addEventListener("keydown", onEscape);
   bindSidebar();
   bindHeader();

@@ -4,6 +4,7 @@
  * badge where they cannot be written to; unread marks; new / switch / rename / delete as
  * silent slash commands; the slide-over on a phone.
  */
+import { startDraft } from "./draft.js";
 import { cleanTitle, dayGroup, fullTime, isLinked, platformName, relativeTime } from "./format.js";
 import { history, store } from "./state.js";
 import { send, sendCommand } from "./transport.js";
@@ -45,7 +46,12 @@ export function renderSidebar() {
   linked.forEach(function (item) {
     if (item.channel !== currentGroup) {
       currentGroup = item.channel;
-      startGroup(t("linked_group", { platform: platformName(item.channel) }), "dialog-group-linked");
+      // The user's own API and terminal dialogs, then linked chat apps (issue 54).
+      var own = item.channel === "api" || item.channel === "cli";
+      startGroup(
+        own ? t("channel_" + item.channel) : t("linked_group", { platform: platformName(item.channel) }),
+        "dialog-group-linked"
+      );
     }
     ul.appendChild(dialogItem(item));
   });
@@ -133,10 +139,7 @@ export function openLinked(item) {
 
 function newDialog() {
   closeMenu();
-  if (sendCommand("/new", true)) {
-    closeSidebar();
-    $("composer-input").focus();
-  }
+  startDraft(); // stored with its first message (draft.js)
 }
 
 // --- The dialog menu: rename, delete --------------------------------------------------------

@@ -14,7 +14,8 @@
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over
  *   frames.js     what each server frame does to the page
- *   draft.js      a new dialog is a draft until its first message
+ *   draft.js      a new dialog is a draft until its first message (its state)
+ *   newdialog.js  "New dialog": the page empties into a draft
  *   slash.js      typed slash commands; "Send as a message" for an unknown one
  *   codehl.js     syntax highlighting of fenced code (vendored highlight.js)
  *   shortcuts.js  keyboard shortcuts and their "?" sheet
@@ -24,12 +25,14 @@
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
  * state (resync). A normal turn never reloads it.
  */
-import { autosize, bindComposer, stopTurn, updateRunning } from "./composer.js";
+import { autosize, bindComposer, sendMessage, stopTurn, updateRunning } from "./composer.js";
 import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
+import { bindNewDialog } from "./newdialog.js";
 import { onScroll } from "./render.js";
 import { bindShortcuts } from "./shortcuts.js";
+import { bindSlash } from "./slash.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
 import { bindTheme } from "./theme.js";
@@ -65,6 +68,10 @@ function init() {
   bindShortcuts();
   document.addEventListener("keydown", onEscape);
   bindSidebar();
+  bindNewDialog();
+  bindSlash(function (content) {
+    return sendMessage(content, true);
+  });
   bindHeader();
   $("reconnect-now").addEventListener("click", reconnectNow);
   $("jump-latest").addEventListener("click", function () {

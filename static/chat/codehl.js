@@ -8,11 +8,12 @@
  *
  * highlight.js escapes the code it is given and returns `<span class="hljs-…">` markup;
  * that still goes through the page's sanitiser (`sanitize`, DOMPurify with only spans and
- * their hljs classes allowed) before it reaches the DOM.
+ * their hljs classes allowed), which hands back DOM nodes: no markup string is ever written
+ * into the page.
  */
 
 var CACHE_LIMIT = 200;
-var cache = new Map(); // language + "\n" + code -> sanitised HTML of the coloured code
+var cache = new Map(); // language + "\n" + code -> sanitised fragment of the coloured code
 
 function languageOf(code) {
   var match = /(?:^|\s)language-([\w+#.-]+)/.exec(code.className || "");
@@ -25,25 +26,26 @@ function languageOf(code) {
 
 function coloured(language, text, sanitize) {
   var key = language + "\n" + text;
-  var html = cache.get(key);
-  if (html === undefined) {
+  var fragment = cache.get(key);
+  if (fragment === undefined) {
     try {
-      html = sanitize(window.hljs.highlight(text, { language: language, ignoreIllegals: true }).value);
+      var marked = window.hljs.highlight(text, { language: language, ignoreIllegals: true });
+      fragment = sanitize(marked.value);
     } catch (_err) {
-      html = null; // a grammar that fails on this input: the block stays plain
+      fragment = null; // a grammar that fails on this input: the block stays plain
     }
     if (cache.size >= CACHE_LIMIT) {
       cache.delete(cache.keys().next().value);
     }
-    cache.set(key, html);
+    cache.set(key, fragment);
   }
-  return html;
+  return fragment;
 }
 
 /**
  * Colour the code blocks under `root`. `openLast`: the last block is still being written
- * (a streaming answer with an open fence), leave it plain. `sanitize(html)` returns a
- * sanitised HTML string.
+ * (a streaming answer with an open fence), leave it plain. `sanitize(markup)` returns a
+ * sanitised DocumentFragment.
  */
 export function highlightCode(root, openLast, sanitize) {
   var blocks = root.querySelectorAll("pre > code");
@@ -56,9 +58,9 @@ export function highlightCode(root, openLast, sanitize) {
     if (!language) {
       continue;
     }
-    var html = coloured(language, code.textContent, sanitize);
-    if (html !== null) {
-      code.innerHTML = html; // sanitised above
+    var fragment = coloured(language, code.textContent, sanitize);
+    if (fragment !== null) {
+      code.replaceChildren(fragment.cloneNode(true)); // the cached copy stays whole
       code.classList.add("is-highlighted");
     }
   }

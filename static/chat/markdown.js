@@ -53,7 +53,12 @@ purifier.addHook("uponSanitizeAttribute", function (node, data) {
 });
 
 // The coloured code highlight.js returns: spans with its classes around text, nothing else.
-var CODE_CONFIG = { ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"], ALLOW_DATA_ATTR: false };
+var CODE_CONFIG = {
+  ALLOWED_TAGS: ["span"],
+  ALLOWED_ATTR: ["class"],
+  ALLOW_DATA_ATTR: false,
+  RETURN_DOM_FRAGMENT: true,
+};
 
 function sanitizeCode(html) {
   return purifier.sanitize(html, CODE_CONFIG);

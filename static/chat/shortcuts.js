@@ -5,7 +5,7 @@
  * the running answer (app.js), "?" opens the sheet. Single keys act only when no field has
  * the focus, so typing is never taken.
  */
-import { startDraft } from "./draft.js";
+import { startDraft } from "./newdialog.js";
 import { $, el, t } from "./ui.js";
 
 var editLast = null; // a function given by the part of the page that edits messages

@@ -4,7 +4,6 @@
  * badge where they cannot be written to; unread marks; new / switch / rename / delete as
  * silent slash commands; the slide-over on a phone.
  */
-import { startDraft } from "./draft.js";
 import { cleanTitle, dayGroup, fullTime, isLinked, platformName, relativeTime } from "./format.js";
 import { history, store } from "./state.js";
 import { send, sendCommand } from "./transport.js";
@@ -135,11 +134,6 @@ export function openLinked(item) {
     return false;
   }
   return true;
-}
-
-function newDialog() {
-  closeMenu();
-  startDraft(); // stored with its first message (draft.js)
 }
 
 // --- The dialog menu: rename, delete --------------------------------------------------------
@@ -284,7 +278,7 @@ export function closeSidebar() {
 /** Wire the list's buttons, the dialog menu (click, arrows, Tab, outside click) and the
  * slide-over. */
 export function bindSidebar() {
-  $("new-dialog").addEventListener("click", newDialog);
+  // "New dialog" is newdialog.js's (a draft until its first message).
   $("menu-button").addEventListener("click", openSidebar);
   $("sidebar-close").addEventListener("click", closeSidebar);
   $("scrim").addEventListener("click", closeSidebar);

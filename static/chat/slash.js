@@ -4,10 +4,22 @@
  * crashes on start") leaves it there with "Send as a message", which sends it as a message
  * with `literal: true` (PROTOCOL `send`).
  */
-import { autosize, sendMessage, updateSendButton } from "./composer.js";
 import { $, el, t } from "./ui.js";
 
 var typed = Object.create(null); // client_msg_id -> the composer's text when it was sent
+var sendLiteral = null; // (content) -> whether it was sent: given by app.js (composer's)
+
+/** `send(content)` sends a message with `literal: true`; true when it went. */
+export function bindSlash(send) {
+  sendLiteral = send;
+}
+
+/** Empty the composer as typing would (its `input` handler resizes and updates Send). */
+function clearComposer() {
+  var input = $("composer-input");
+  input.value = "";
+  input.dispatchEvent(new Event("input"));
+}
 
 export function rememberTyped(clientMsgId, text) {
   typed[clientMsgId] = text;
@@ -28,11 +40,8 @@ export function typedAnswered(clientMsgId) {
   if (text === null) {
     return;
   }
-  var input = $("composer-input");
-  if (input.value === text) {
-    input.value = "";
-    autosize();
-    updateSendButton();
+  if ($("composer-input").value === text) {
+    clearComposer();
   }
   hideOffer();
 }
@@ -60,10 +69,8 @@ function showOffer(message, text) {
   send.addEventListener("click", function () {
     var input = $("composer-input");
     var content = input.value.trim() ? input.value : text;
-    if (sendMessage(content, true)) {
-      input.value = "";
-      autosize();
-      updateSendButton();
+    if (sendLiteral && sendLiteral(content)) {
+      clearComposer();
       hideOffer();
       input.focus();
     }

@@ -53,9 +53,7 @@ TITLE_MAX = 200
 def _welcome_text(dialog_id: str, channel: str) -> str:
     if channel == "web":
         # Issue 54: the web chat has a list and menus, not commands to learn first.
-        return _(
-            "New dialog started. It is listed on the left; its menu there renames or deletes it."
-        )
+        return _("New dialog started. Rename or delete it from its menu in your list of dialogs.")
     return _(
         "New dialog created! Dialog id: %(dialog_id)s\n"
         "Use /sessions to list your dialogs and /switch <id> to change dialog."

@@ -80,9 +80,7 @@ def js_strings() -> dict[str, str]:
         "copy_code": _("Copy code"),
         "image": _("Image: %(label)s"),
         "empty_title": _("Hello, %(name)s"),
-        "empty_body": _(
-            "Ask anything. Your dialogs are listed on the left; press ? for keyboard shortcuts."
-        ),
+        "empty_body": _("Ask anything: your first message starts the dialog."),
         "loading_older": _("Loading earlier messages…"),
         "esc_to_stop": _("Esc to stop"),
         "hint": _("Enter to send · Shift+Enter for a new line"),

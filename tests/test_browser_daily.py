@@ -131,7 +131,7 @@ def test_new_dialog_is_a_draft_until_its_first_message(tab: Tab, served: Any) ->
     expect(tab.answers().last).to_have_text("echo: Plan a picnic")
     # The welcome speaks of the web chat, not of terminal commands.
     welcome = page.locator("#messages .msg-system").first
-    expect(welcome).to_contain_text("listed on the left")
+    expect(welcome).to_contain_text("your list of dialogs")
     expect(welcome).not_to_contain_text("/switch")
     news = [f for f in tab.sent[sent_before:] if f.get("content") == "/new"]
     assert len(news) == 1
@@ -300,3 +300,36 @@ def test_the_theme_switch_is_remembered_per_browser(tab: Tab, context: Any) -> N
     assert background() == dark
     page.locator("#theme-select").select_option("light")
     assert background() == light
+
+
+# --- 9. Dialogs made through the API ----------------------------------------------------------
+
+
+def test_a_dialog_made_through_the_api_is_listed_and_usable(tab: Tab) -> None:
+    # covers: E1, E3
+    page = tab.page
+    status = page.evaluate(
+        """async () => {
+          const config = JSON.parse(document.getElementById('chat-config').textContent);
+          const response = await fetch('/api/v1/sessions', {
+            method: 'POST',
+            headers: {'Content-Type': 'application/json', 'X-CSRFToken': config.csrf_token},
+            body: JSON.stringify({title: 'Made by a script'}),
+          });
+          return response.status;
+        }"""
+    )
+    assert status == 201
+    page.reload()
+    tab.wait_online()
+
+    expect(page.locator(".dialog-group", has_text="API dialogs")).to_be_visible()
+    item = page.locator(".dialog-item", has_text="Made by a script")
+    expect(item.locator(".dialog-badge")).to_have_count(0)  # not read-only: it is yours
+    item.locator(".dialog-open").click()
+    expect(page.locator("#chat-title")).to_have_text("Made by a script")
+    expect(page.locator("#composer-input")).to_be_enabled()
+
+    tab.send("hello from the web")
+
+    expect(tab.answers().last).to_have_text("echo: hello from the web")

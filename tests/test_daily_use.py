@@ -167,6 +167,6 @@ async def test_the_web_welcome_speaks_of_the_web_chat_and_others_keep_b2s(user: 
         return session.dialog_id, Message.objects.get(session=session, seq=1).content
 
     dialog_id, web = await sync_to_async(welcome)("web")
-    assert dialog_id not in web and "/switch" not in web and "listed on the left" in web
+    assert dialog_id not in web and "/switch" not in web and "your list of dialogs" in web
     dialog_id, api = await sync_to_async(welcome)("api")
     assert dialog_id in api and "/sessions" in api and "/switch" in api

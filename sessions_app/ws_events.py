@@ -36,6 +36,8 @@ from .models import Session
 logger = logging.getLogger(__name__)
 
 CHANNEL = "web"
+# The user's first-party chats besides the web chat, listed in its sidebar (issue 54).
+OWN_OTHER_CHANNELS = ("api", "cli")
 # Several `sessions_changed` events within this window produce one `sessions` frame.
 SESSIONS_COALESCE_SECONDS = 0.05
 # Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
@@ -167,6 +169,9 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             for item in frame["items"]
             if (item["channel"], item["chat_id"]) != (CHANNEL, self.chat_id)
         }
+        # The user's own API and terminal chats even before they hold a dialog: one made by
+        # `POST /sessions` appears in the list at once (its `sessions_changed`).
+        groups |= {publish.chat_group(channel, self.chat_id) for channel in OWN_OTHER_CHANNELS}
         for group in groups - self.linked_groups:
             await self.channel_layer.group_add(group, self.channel_name)
         for group in self.linked_groups - groups:

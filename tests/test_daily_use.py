@@ -170,3 +170,21 @@ async def test_the_web_welcome_speaks_of_the_web_chat_and_others_keep_b2s(user: 
     assert dialog_id not in web and "/switch" not in web and "your list of dialogs" in web
     dialog_id, api = await sync_to_async(welcome)("api")
     assert dialog_id in api and "/sessions" in api and "/switch" in api
+
+
+async def test_a_dialog_made_through_the_api_appears_in_an_open_web_chat(
+    api: Api, connect: Any, user: Any
+) -> None:
+    # covers: E1, E3, D3
+    ws = await connect(user)
+    assert all(i["channel"] == "web" for i in ws.sessions["items"])
+
+    made = await api.create(title="Made while the page is open")
+
+    frames = await ws.until(
+        lambda f: (
+            f["type"] == "sessions" and made["session_id"] in {i["session_id"] for i in f["items"]}
+        )
+    )
+    item = next(i for i in frames[-1]["items"] if i["session_id"] == made["session_id"])
+    assert (item["channel"], item["read_only"]) == ("api", False)

@@ -205,6 +205,29 @@ def test_a_streamed_list_never_shows_a_heading(tab: Tab, model: FakeModelServer)
     assert tab.page.evaluate("window.__headings") == []
 
 
+def test_a_marker_only_last_line_waits_for_its_next_characters(tab: Tab) -> None:
+    # covers: E1, D1 (format.js, as the page imports it)
+    out = tab.page.evaluate(
+        """async () => {
+          const f = await import("/static/chat/format.js");
+          return ["Intro\\n-", "Intro\\n==", "Intro\\n- one", "1.", "a\\n1.",
+                  "```py\\nx = (\\n)", "text\\n```", "Intro\\n|--"]
+            .map(t => [f.holdMarkerLine(t), f.closeOpenMarkdown(t), f.hasOpenFence(t)]);
+        }"""
+    )
+    assert out == [
+        ["Intro\n", "Intro\n", False],
+        ["Intro\n", "Intro\n", False],
+        ["Intro\n- one", "Intro\n- one", False],
+        ["", "", False],
+        ["a\n", "a\n", False],
+        # Inside an open code fence every line is code, shown as it comes.
+        ["```py\nx = (\n)", "```py\nx = (\n)\n```", True],
+        ["text\n", "text\n", True],
+        ["Intro\n", "Intro\n", False],
+    ]
+
+
 # --- 8. A table header on a phone -------------------------------------------------------------
 
 

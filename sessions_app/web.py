@@ -93,6 +93,7 @@ def js_strings() -> dict[str, str]:
         "read_only_placeholder": _("Read-only dialog"),
         # Issue 54: the web chat in daily use.
         "new_dialog": _("New dialog"),
+        "draft_unsaved": _("saved with its first message"),
         "queued_returned": _(
             "Stopped. Your queued message was not sent; its text is back in the composer."
         ),

@@ -111,7 +111,8 @@ def test_the_thinking_indicator_shows_until_the_first_token(
 def test_new_dialog_is_a_draft_until_its_first_message(tab: Tab, served: Any) -> None:
     # covers: E1, B2
     page = tab.page
-    before = page.locator(".dialog-item").count()
+    stored = page.locator(".dialog-item:not(.is-draft)")
+    before = stored.count()
     first = tab.current_dialog()
     sent_before = len(tab.sent)
 
@@ -119,16 +120,20 @@ def test_new_dialog_is_a_draft_until_its_first_message(tab: Tab, served: Any) ->
         page.locator("#new-dialog").click()
 
     expect(page.locator("#chat-title")).to_have_text("New dialog")
-    expect(page.locator(".dialog-item.is-current")).to_have_count(0)
+    draft = page.locator(".dialog-item.is-current")
+    expect(draft).to_have_count(1)  # one draft, however many clicks
+    expect(draft).to_have_class(re.compile("is-draft"))
+    expect(draft).to_contain_text("saved with its first message")
     expect(page.locator("#empty")).to_be_visible()
     expect(page.locator("#composer-input")).to_be_focused()
     page.wait_for_timeout(500)
-    expect(page.locator(".dialog-item")).to_have_count(before)  # nothing stored
+    expect(stored).to_have_count(before)  # nothing stored
     assert tab.sent[sent_before:] == []
 
     tab.send("Plan a picnic")
 
-    expect(page.locator(".dialog-item")).to_have_count(before + 1)
+    expect(stored).to_have_count(before + 1)
+    expect(page.locator(".dialog-item.is-draft")).to_have_count(0)
     expect(page.locator(".dialog-item.is-current")).to_have_count(1)
     assert tab.current_dialog() != first
     expect(page.locator("#messages .msg-user .bubble")).to_have_text(["Plan a picnic"])

@@ -4,6 +4,7 @@
  * badge where they cannot be written to; unread marks; new / switch / rename / delete as
  * silent slash commands; the slide-over on a phone.
  */
+import { isDraft } from "./draft.js";
 import { cleanTitle, dayGroup, fullTime, isLinked, platformName, relativeTime } from "./format.js";
 import { history, store } from "./state.js";
 import { send, sendCommand } from "./transport.js";
@@ -18,7 +19,9 @@ export function renderSidebar() {
   var frag = document.createDocumentFragment();
   var currentGroup = null;
   var ul = null;
-  if (!sessions.length) {
+  if (isDraft()) {
+    frag.appendChild(draftItem());
+  } else if (!sessions.length) {
     frag.appendChild(el("p", "dialog-empty", store.loadedOnce() ? t("no_dialogs") : ""));
   }
   function startGroup(label, className) {
@@ -56,6 +59,27 @@ export function renderSidebar() {
   });
   list.replaceChildren(frag);
   $("menu-unread").hidden = !store.anyUnread();
+}
+
+/** The draft dialog on top of the list (stored with its first message, issue 54). */
+function draftItem() {
+  var ul = el("ul", "dialog-group-list");
+  ul.setAttribute("role", "list");
+  var li = el("li", "dialog-item is-current is-draft");
+  var open = el("button", "dialog-open");
+  open.type = "button";
+  open.setAttribute("aria-current", "true");
+  open.appendChild(el("span", "dialog-title", t("new_dialog")));
+  var meta = el("span", "dialog-meta");
+  meta.appendChild(el("span", "dialog-time", t("draft_unsaved")));
+  open.appendChild(meta);
+  open.addEventListener("click", function () {
+    closeSidebar();
+    $("composer-input").focus();
+  });
+  li.appendChild(open);
+  ul.appendChild(li);
+  return ul;
 }
 
 function dialogItem(item) {

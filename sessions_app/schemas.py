@@ -142,11 +142,6 @@ class MessageIn(Schema):
         description="send: a new turn (C1); steer: joins the running turn at its next step, "
         "a send when idle (C4); inject: context without a turn (C5).",
     )
-    literal: bool = Field(
-        False,
-        description="PROTOCOL `send`: the text is a message even when it starts with `/`. "
-        "The REST API never runs slash commands, so every message here is literal already.",
-    )
 
 
 class RetryIn(Schema):

@@ -14,7 +14,7 @@ from django.utils import translation
 from chatcore.engine.commands import CommandContext, run_command
 from sessions_app import services
 from sessions_app.models import Message, MessageKind, Session
-from tests.api_helpers import Api, error_of
+from tests.api_helpers import Api, wait_turn_row
 from tests.ws_helpers import terminal
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
@@ -60,16 +60,19 @@ async def test_literal_must_be_a_boolean(connect: Any, user: Any) -> None:
     assert await Message.objects.filter(role="user").acount() == 0
 
 
-async def test_rest_accepts_literal_and_sends_a_slash_text_as_a_message(
+async def test_rest_sends_a_slash_text_as_a_message_literal_or_not(
     api: Api, fake_model: Any
 ) -> None:
-    # covers: E3 (PROTOCOL `send` literal)
+    # covers: E3 (PROTOCOL `send` literal: the REST API runs no slash commands, so every
+    # message it takes is literal; a client that says so is not refused)
     data = await api.create()
-    path = f"/sessions/{data['session_id']}/messages"
-    status, body, _ = await api.call("POST", path, {"content": "/etc/hosts", "literal": True})
-    assert status == 202 and body["turn_id"]
-    status, body, _ = await api.call("POST", path, {"content": "hi", "literal": "maybe"})
-    error_of(status, body, 422, "bad_request")
+    for content, extra in (("/etc/hosts", {}), ("/help me", {"literal": True})):
+        ack = await api.send(data["session_id"], content, **extra)
+        await wait_turn_row(ack["turn_id"])
+    stored = await sync_to_async(list)(
+        Message.objects.filter(role="user").order_by("seq").values_list("content", flat=True)
+    )
+    assert stored == ["/etc/hosts", "/help me"]
 
 
 # --- 9. REST dialogs in the web chat; messages that read right -------------------------------

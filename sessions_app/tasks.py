@@ -23,10 +23,10 @@ logger = logging.getLogger(__name__)
     soft_time_limit=300,
     time_limit=330,
 )
-def generate_title(session_pk: str) -> str | None:
+def generate_title(session_pk: str, stage: str = "auto") -> str | None:
     from chatcore.engine import jobs
 
-    return asyncio.run(jobs.generate_title(session_pk=session_pk))
+    return asyncio.run(jobs.generate_title(session_pk=session_pk, stage=stage))
 
 
 @shared_task(

@@ -25,7 +25,7 @@ def title_commit_if_default(
     rename always wins, also against a late result."""
     clean = clean_title(title)
     replaces = [TitleSource.DEFAULT]
-    if source == TitleSource.AUTO:
+    if source != TitleSource.FIRST:
         replaces.append(TitleSource.FIRST)
 
     def write() -> int:

@@ -48,19 +48,19 @@ def guard_key(job: str, session_pk: str) -> str:
     return f"bg:{job}:{session_pk}"
 
 
-def title_due(*, session_pk: str) -> bool:
-    """After a completed turn: is a title due (B4)? See `title_stage`."""
+def title_due(*, session_pk: str) -> str | None:
+    """After a completed turn: the title due (B4), as `title_stage` says, or None."""
     session = (
         Session.objects.filter(pk=session_pk)
         .only("message_count", "title_source", "title_attempts", "deleted_at")
         .first()
     )
-    return session is not None and title_due_of(session)
+    return None if session is None else title_stage(session)
 
 
-def title_due_of(session: Session) -> bool:
+def title_due_of(session: Session) -> str | None:
     """`title_due` on a dialog row already at hand (the one a turn's commit locked)."""
-    return title_stage(session) is not None
+    return title_stage(session)
 
 
 def title_stage(session: Session) -> str | None:
@@ -103,10 +103,14 @@ def _clean_title(raw: str) -> str:
 # --- Titles (B4) --------------------------------------------------------------------------
 
 
-def _title_input(session_pk: str) -> tuple[list[dict[str, str]], str] | None:
+def _title_input(session_pk: str, stage: str) -> list[dict[str, str]] | None:
+    """The title prompt, or None when the title is no longer for a machine to make: a person
+    named the dialog, it is gone, a title of this stage already landed, or its attempts ran
+    out. Whether it is due was decided where the turn ended (its settings, not this worker's)."""
     session = Session.objects.filter(pk=session_pk, deleted_at__isnull=True).first()
-    stage = None if session is None else title_stage(session)
-    if stage is None:
+    if session is None or session.title_source not in replaceable_by(stage):
+        return None
+    if session.title_attempts > len(settings.CHAT["TITLE_RETRY_DELAYS"]):
         return None
     messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
     transcript = _transcript(messages, limit_chars=6000)
@@ -116,7 +120,15 @@ def _title_input(session_pk: str) -> tuple[list[dict[str, str]], str] | None:
     return [
         {"role": "system", "content": prompt},
         {"role": "user", "content": "History:\n" + transcript},
-    ], stage
+    ]
+
+
+def replaceable_by(stage: str) -> tuple[str, ...]:
+    """The title sources a title of `stage` may replace (B4): a first title only the default;
+    the seed's (`auto`, also an operator's regenerate) the default and a first title."""
+    if stage == TitleSource.FIRST:
+        return (TitleSource.DEFAULT,)
+    return (TitleSource.DEFAULT, TitleSource.FIRST)
 
 
 class _Failed:
@@ -126,7 +138,9 @@ class _Failed:
 _FAILED = _Failed()
 
 
-async def generate_title(*, session_pk: str, provider: ChatProvider | None = None) -> str | None:
+async def generate_title(
+    *, session_pk: str, stage: str = TitleSource.AUTO, provider: ChatProvider | None = None
+) -> str | None:
     """Capture the prompt, ask the model outside any lock, commit only over the default or a
     first title (B4: a person's rename always wins). A failed attempt is a logged warning,
     counted on the dialog, and retried after the next of TITLE_RETRY_DELAYS (backing off) while
@@ -134,7 +148,7 @@ async def generate_title(*, session_pk: str, provider: ChatProvider | None = Non
     delays = settings.CHAT["TITLE_RETRY_DELAYS"]
     try:
         while True:
-            outcome = await _generate_title(session_pk, provider)
+            outcome = await _generate_title(session_pk, stage, provider)
             if not isinstance(outcome, _Failed):
                 return outcome
             attempts = await on_db(titles.title_attempt_failed)(session_pk=session_pk)
@@ -146,11 +160,12 @@ async def generate_title(*, session_pk: str, provider: ChatProvider | None = Non
         await on_db(cache.delete)(guard_key("generate_title", session_pk))
 
 
-async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str | None | _Failed:
-    captured = await on_db(_title_input)(session_pk)
-    if captured is None:
+async def _generate_title(
+    session_pk: str, stage: str, provider: ChatProvider | None
+) -> str | None | _Failed:
+    messages = await on_db(_title_input)(session_pk, stage)
+    if messages is None:
         return None
-    messages, stage = captured
     own = provider is None
     provider = provider or provider_from_settings()
     try:

@@ -36,6 +36,7 @@ from ninja.parser import Parser
 from chatcore.common.errors import ChatError, StorageUnavailable
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
+from .branch_routes import router as branch_router
 from .routes import router
 
 logger = logging.getLogger(__name__)
@@ -258,5 +259,7 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     return _error(500, "internal_error", _("Internal error."))
 
 
-# The one router of this app (its routes register on import).
+# The routers of this app (their routes register on import); H1's first, as the main
+# router's last route answers every other path.
+api.add_router("/", branch_router)
 api.add_router("/", router)

@@ -60,6 +60,12 @@ class Session(models.Model):
     # G2: the fencing token of the lease, increased at every acquisition; every write of a
     # turn checks it in its own transaction (chatcore.engine.lease).
     lease_epoch = models.BigIntegerField(default=0)
+    # H1: the last message of the active path (0: no message yet); every append moves it to
+    # the new message, a `branch` or a regenerate's start moves it to another leaf.
+    head_seq = models.BigIntegerField(default=0)
+    # H1: set once the dialog's messages stop being one straight line (an edit, a regenerate
+    # or a branch switch); until then the active path is simply every message in seq order.
+    forked = models.BooleanField(default=False)
     # C8: the session plan tool's state.
     plan = models.TextField(blank=True, default="")
     deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)
@@ -127,6 +133,9 @@ class Message(models.Model):
         Session, on_delete=models.CASCADE, related_name="messages", db_index=False
     )
     seq = models.BigIntegerField()
+    # H1: the message this one follows on its branch (null for a dialog's first); siblings
+    # share it. Never rewritten, like the rest of the row.
+    parent_seq = models.BigIntegerField(null=True, blank=True)
     role = models.CharField(max_length=16, choices=Role.choices)
     content = models.TextField(blank=True, default="")
     media_refs = models.JSONField(default=list, blank=True)
@@ -173,6 +182,10 @@ class TurnMode(models.TextChoices):
     RETRY = "retry", "retry"
     # E5: go on with a cut (`truncated`) answer; the cut message's id is in `source`.
     CONTINUE = "continue", "continue"
+    # H1: a user message edited (a sibling of it, `source.edit_of`) and an answer asked for
+    # again (a sibling answer, `source.regenerate_of`).
+    EDIT = "edit", "edit"
+    REGENERATE = "regenerate", "regenerate"
 
 
 class TurnStatus(models.TextChoices):
@@ -200,7 +213,7 @@ class Turn(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+", db_index=False
     )
     number = models.BigIntegerField()
-    mode = models.CharField(max_length=8, choices=TurnMode.choices, default=TurnMode.SEND)
+    mode = models.CharField(max_length=10, choices=TurnMode.choices, default=TurnMode.SEND)
     status = models.CharField(max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED)
     reason = models.CharField(max_length=16, blank=True, default="")
     error_kind = models.CharField(max_length=32, blank=True, default="")

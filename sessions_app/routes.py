@@ -247,7 +247,7 @@ async def list_messages(
     def read() -> dict[str, Any]:
         session = _owned(user, session_id)
         messages, has_more = selectors.messages_from(
-            session_pk=session.pk, from_seq=from_seq, limit=limit
+            session_pk=session.pk, from_seq=from_seq, limit=limit, session=session
         )
         return {
             # A page read after the dialog row may hold newer messages; never report less.

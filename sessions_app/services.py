@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -24,6 +24,7 @@ from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
+from . import branches
 from .models import (
     ApiToken,
     Message,
@@ -131,6 +132,7 @@ def session_create_with_history(
             session.title = clean or session.default_title
             session.title_source = TitleSource.USER if clean else TitleSource.DEFAULT
             session.last_seq = 1
+            session.head_seq = 1
             session.total_message_count = 1
             session.state_version = 1
             session.save(force_insert=True)
@@ -355,13 +357,20 @@ def append_locked(
     turn: Turn | None = None,
     extra: Callable[[Session], None] | None = None,
     also: Sequence[str] = (),
+    parent_seq: int | None | Literal[False] = False,
 ) -> Appended:
     """The write of `messages_append`, inside the caller's transaction on a session row it
     has locked (the engine records a turn's user message in the transaction that claims it,
     G6). `also`: more fields of `locked` the caller changed, saved in the same update of the
-    row. Publishing the delta is the caller's (`announce_appended`)."""
+    row. Publishing the delta is the caller's (`announce_appended`). H1: the messages follow
+    the dialog's head, one after the other, and the last becomes the head; `parent_seq`: the
+    first follows that message instead (an edit's sibling), which forks the dialog."""
     base = locked.last_seq
     now = timezone.now()
+    head = locked.head_seq or None
+    parent = head if parent_seq is False else parent_seq
+    if parent != head or (head is not None and head != base):
+        locked.forked = True
     rows = []
     for offset, new in enumerate(messages, start=1):
         source = {"kind": new.kind, **new.source}
@@ -369,6 +378,7 @@ def append_locked(
             Message(
                 session=locked,
                 seq=base + offset,
+                parent_seq=parent if offset == 1 else base + offset - 1,
                 role=new.role,
                 content=new.content,
                 created_at=new.created_at or now,
@@ -384,8 +394,11 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
+    branches.mark_appended(locked, rows)
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
+    if rows:
+        locked.head_seq = locked.last_seq
     locked.total_message_count += len(rows)
     locked.message_count += user_count
     locked.state_version += 1
@@ -394,6 +407,8 @@ def append_locked(
         locked,
         [
             "last_seq",
+            "head_seq",
+            "forked",
             "total_message_count",
             "message_count",
             "state_version",
@@ -517,6 +532,8 @@ def messages_clear(*, session: Session) -> int:
             Session.objects.filter(pk=session.pk).update(
                 message_count=0,
                 total_message_count=0,
+                head_seq=0,
+                forked=False,
                 state_version=F("state_version") + 1,
                 generation=F("generation") + 1,
             )

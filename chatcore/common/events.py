@@ -22,7 +22,12 @@ def message_frame(message: Any) -> dict[str, Any]:
         "role": message.role,
         "content": message.content,
         "created_at": message.created_at.isoformat(),
+        # H1: the message it follows on its branch; `siblings` where that one has several.
+        "parent_seq": message.parent_seq,
     }
+    siblings = getattr(message, "siblings", None)
+    if siblings:
+        data["siblings"] = siblings
     if message.tool_calls:
         data["tool_calls"] = message.tool_calls
     if message.tool_call_id:
@@ -196,6 +201,17 @@ def session_history_frame(
         "has_more": has_more,
         "active_turn": active_turn,
         "queue": queue,
+    }
+
+
+def path_changed_frame(*, session_id: str, history_revision: int) -> dict[str, Any]:
+    """H1, between processes only: the dialog's active path changed (an edit or regenerate
+    started, a branch was chosen). Each connection showing the dialog answers its client with
+    a fresh `session_history`; clients never receive this frame itself."""
+    return {
+        "type": "path_changed",
+        "session_id": session_id,
+        "history_revision": history_revision,
     }
 
 

@@ -100,7 +100,7 @@ def session_history_frame(
     given), oldest first, with the revision, the running turn and the queue."""
     fresh = Session.objects.get(pk=session.pk)
     messages, has_more = selectors.messages_page(
-        session_pk=session.pk, before_seq=before_seq, limit=limit
+        session_pk=session.pk, before_seq=before_seq, limit=limit, session=fresh
     )
     return events.session_history_frame(
         session=fresh,
@@ -125,6 +125,7 @@ def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
         "message_count": session.message_count,
         "total_message_count": session.total_message_count,
         "history_revision": session.last_seq,
+        "head_seq": session.head_seq or None,
         "status": "running" if snapshot is not None else "idle",
         "active_turn": snapshot,
         "queue": queue_items(session),

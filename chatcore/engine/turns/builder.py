@@ -39,6 +39,7 @@ from ..provider_types import EncodedMessage, EncodedMessages, dumps
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from .outcome import PendingMessage
+from .paths import forked_context
 
 logger = logging.getLogger(__name__)
 
@@ -612,6 +613,10 @@ class TurnInputBuilder:
         # a dialog longer than that costs one running sum, not one row per message, and
         # the same statement counted those it leaves out.
         skipped = found.skipped
+        if session.forked:
+            # H1: the active path only, with a summary only where it lies on that path.
+            history, compaction = forked_context(self.states, session, appended)
+            return session, history, compaction, 0, found.notes
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
         else:

@@ -2,7 +2,7 @@
 
 The same engine calls as the WebSocket frames (`chatcore.engine.branching`): an edit or a
 regenerate is a turn like a send (202 with the ack, or its frames as Server-Sent Events with
-`Accept: text/event-stream`); a seq of the wrong role or not in the dialog answers 400
+`Accept: text/event-stream`); a seq of the wrong role or not in the dialog answers 422
 `bad_request`, another user's dialog 404, and nothing changes. Registered ahead of
 `routes.router`, whose last route answers every other path with a 404.
 """
@@ -58,9 +58,9 @@ async def _turn(
 
 @router.post(
     "/sessions/{session_id}/messages/{seq}/edit",
-    response={202: AckOut, 400: SEND_ERRORS[409], **SEND_ERRORS},
+    response={202: AckOut, **SEND_ERRORS},
     summary="Edit a user message: its new version answered as a new branch (H1)",
-    description="The new text becomes a sibling of message `seq` (a user message; else 400) "
+    description="The new text becomes a sibling of message `seq` (a user message; else 422 `bad_request`) "
     "and its answer follows it; the new branch becomes active when its turn starts. Queued "
     "and charged like a send; streams with `Accept: text/event-stream`.",
     openapi_extra=_STREAM_DOC,
@@ -87,9 +87,9 @@ async def edit_message(
 
 @router.post(
     "/sessions/{session_id}/messages/{seq}/regenerate",
-    response={202: AckOut, 400: SEND_ERRORS[409], **SEND_ERRORS},
+    response={202: AckOut, **SEND_ERRORS},
     summary="Answer again: a new answer beside answer `seq` (H1)",
-    description="Message `seq` must be an answer (else 400); the new answer answers the same "
+    description="Message `seq` must be an answer (else 422 `bad_request`); the new answer answers the same "
     "user message and becomes active when its turn starts. Queued and charged like a send; "
     "streams with `Accept: text/event-stream`.",
     openapi_extra=_STREAM_DOC,
@@ -112,9 +112,9 @@ async def regenerate_message(
 
 @router.post(
     "/sessions/{session_id}/branch",
-    response={200: BranchOut, 400: SEND_ERRORS[409], **WRITE_ERRORS},
+    response={200: BranchOut, **WRITE_ERRORS},
     summary="Make the branch through a message active (H1)",
-    description="The active path then runs to the newest message below `seq`; 400 for a seq "
+    description="The active path then runs to the newest message below `seq`; 422 `bad_request` for a seq "
     "not in the dialog or while a turn of the dialog runs or waits.",
 )
 async def branch_session(request: HttpRequest, session_id: str, payload: BranchIn) -> Any:

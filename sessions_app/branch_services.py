@@ -34,9 +34,16 @@ def move_head(live: Session, head: int) -> None:
 
 
 def announce_path(live: Session) -> None:
-    """Once the transaction commits: every connection showing the dialog reloads it."""
-    frame = events.path_changed_frame(session_id=live.session_id, history_revision=live.last_seq)
-    transaction.on_commit(lambda: publish.publish_to_chat(live, frame))
+    """Once the transaction commits: every connection showing the dialog reloads it (at the
+    revision the row has then: an edit's user message is appended after this call)."""
+
+    def publish_path() -> None:
+        frame = events.path_changed_frame(
+            session_id=live.session_id, history_revision=live.last_seq
+        )
+        publish.publish_to_chat(live, frame)
+
+    transaction.on_commit(publish_path)
 
 
 def turn_branch_start(live: Session, turn: Turn) -> int | None | Literal[False]:

@@ -60,9 +60,9 @@ async def _turn(
     "/sessions/{session_id}/messages/{seq}/edit",
     response={202: AckOut, **SEND_ERRORS},
     summary="Edit a user message: its new version answered as a new branch (H1)",
-    description="The new text becomes a sibling of message `seq` (a user message; else 422 `bad_request`) "
-    "and its answer follows it; the new branch becomes active when its turn starts. Queued "
-    "and charged like a send; streams with `Accept: text/event-stream`.",
+    description="The new text becomes a sibling of message `seq` (a user message; else 422 "
+    "`bad_request`) and its answer follows it; the new branch becomes active when its turn "
+    "starts. Queued and charged like a send; streams with `Accept: text/event-stream`.",
     openapi_extra=_STREAM_DOC,
 )
 async def edit_message(
@@ -89,9 +89,9 @@ async def edit_message(
     "/sessions/{session_id}/messages/{seq}/regenerate",
     response={202: AckOut, **SEND_ERRORS},
     summary="Answer again: a new answer beside answer `seq` (H1)",
-    description="Message `seq` must be an answer (else 422 `bad_request`); the new answer answers the same "
-    "user message and becomes active when its turn starts. Queued and charged like a send; "
-    "streams with `Accept: text/event-stream`.",
+    description="Message `seq` must be an answer (else 422 `bad_request`); the new answer "
+    "answers the same user message and becomes active when its turn starts. Queued and "
+    "charged like a send; streams with `Accept: text/event-stream`.",
     openapi_extra=_STREAM_DOC,
 )
 async def regenerate_message(
@@ -114,8 +114,8 @@ async def regenerate_message(
     "/sessions/{session_id}/branch",
     response={200: BranchOut, **WRITE_ERRORS},
     summary="Make the branch through a message active (H1)",
-    description="The active path then runs to the newest message below `seq`; 422 `bad_request` for a seq "
-    "not in the dialog or while a turn of the dialog runs or waits.",
+    description="The active path then runs to the newest message below `seq`; 422 "
+    "`bad_request` for a seq not in the dialog or while a turn of the dialog runs or waits.",
 )
 async def branch_session(request: HttpRequest, session_id: str, payload: BranchIn) -> Any:
     user = _user(request)

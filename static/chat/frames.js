@@ -11,6 +11,7 @@ import {
   updateReadOnly,
   updateRunning,
 } from "./composer.js";
+import { restoreAnchor } from "./branches.js";
 import { isLinked } from "./format.js";
 import { renderHeader, updateHash } from "./header.js";
 import {
@@ -124,7 +125,10 @@ function onSessionHistory(frame) {
   updateReadOnly();
   updateRunning();
   updateHash();
-  scrollToBottom();
+  var anchored = restoreAnchor();
+  if (switched || !anchored) {
+    scrollToBottom();
+  }
   maybeLoadOlder();
   if (switched) {
     closeSidebar();

@@ -4,6 +4,7 @@
  * with Retry and Continue, older pages on scroll, and the scroll position. The running
  * turn's answer is stream.js's.
  */
+import { regenerateAction, userFoot, versionSwitcher } from "./branches.js";
 import { fullTime } from "./format.js";
 import { copyText, renderMarkdownInto } from "./markdown.js";
 import { history, store } from "./state.js";
@@ -138,6 +139,7 @@ function renderMessage(m) {
     if (source.kind === "steer" || source.kind === "inject") {
       node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
     }
+    node.appendChild(userFoot(m, node));
   } else if (m.role === "assistant") {
     if (joinContinuation(m)) {
       return null;
@@ -188,6 +190,10 @@ function renderAnswer(m) {
     node.appendChild(el("p", "md muted", t("stopped_before_text")));
   }
   var foot = el("div", "msg-foot");
+  var versions = versionSwitcher(m);
+  if (versions) {
+    foot.appendChild(versions);
+  }
   if (m.status === "cancelled" || m.status === "interrupted") {
     node.classList.add("msg-partial");
     foot.appendChild(
@@ -287,6 +293,7 @@ function messageActions(m) {
     copyText(m.content || "", copy);
   });
   bar.appendChild(copy);
+  bar.appendChild(regenerateAction(m));
   return bar;
 }
 

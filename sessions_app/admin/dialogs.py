@@ -23,6 +23,10 @@ from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
 from django.template.defaultfilters import linebreaksbr
 from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.functional import cached_property
+from django.utils.html import format_html
+from django.utils.http import urlencode
 from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
@@ -30,7 +34,7 @@ from django.utils.translation import gettext_lazy as _
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
-from .. import services
+from .. import branches, services
 from ..models import Message, Session, TitleSource, Turn
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
@@ -74,7 +78,7 @@ class MessageInline(admin.TabularInline):
     model = Message
     formset = MessageWindowFormSet
     template = "admin/sessions_app/session/message_inline.html"
-    fields = ("seq", "role", "content_preview", "status", "created_at")
+    fields = ("seq", "role", "content_preview", "versions", "status", "created_at")
     readonly_fields = fields
     ordering = ("seq",)
     extra = 0
@@ -89,6 +93,28 @@ class MessageInline(admin.TabularInline):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    @admin.display(description=_("versions"))
+    def versions(self, obj: Message) -> str:
+        """H1: at a fork of the active path, which version this is, linked to all of them."""
+        children = self._children.get(obj.session_id)
+        if children is None:
+            session = Session.objects.only("pk", "forked").get(pk=obj.session_id)
+            children = (
+                branches.children_of(branches.parents_of(obj.session_id)) if session.forked else {}
+            )
+            self._children[obj.session_id] = children
+        kin = children.get(obj.parent_seq, [])
+        if len(kin) < 2:
+            return ""
+        url = reverse("admin:sessions_app_message_changelist")
+        query = urlencode({"session": obj.session_id, "parent_seq": obj.parent_seq})
+        label = gettext("%(n)d of %(total)d") % {"n": kin.index(obj.seq) + 1, "total": len(kin)}
+        return format_html('<a href="{}?{}">{}</a>', url, query, label)
+
+    @cached_property
+    def _children(self) -> dict[str, dict[int | None, list[int]]]:
+        return {}
 
     @admin.display(description=_("content"))
     def content_preview(self, obj: Message) -> str:
@@ -232,6 +258,12 @@ class SessionAdmin(admin.ModelAdmin):
     ) -> tuple[QuerySet[Message], Page[Any]]:
         # A formset cannot take a sliced queryset, so the page is cut out by its seq range.
         queryset: QuerySet[Message] = params["queryset"].filter(session=obj).order_by("seq")
+        path = branches.active_path(obj)
+        if path is not None:
+            # H1: a forked dialog shows its active path; the versions column marks its forks.
+            paginator = Paginator(path.seqs, MESSAGE_PAGE_SIZE)
+            page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
+            return queryset.filter(seq__in=list(page.object_list)), page
         paginator = Paginator(queryset.values_list("seq", flat=True), MESSAGE_PAGE_SIZE)
         page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
         seqs = list(page.object_list)

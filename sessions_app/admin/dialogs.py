@@ -108,7 +108,12 @@ class MessageInline(admin.TabularInline):
         if len(kin) < 2:
             return ""
         url = reverse("admin:sessions_app_message_changelist")
-        query = urlencode({"session": obj.session_id, "parent_seq": obj.parent_seq})
+        same: dict[str, str | int] = {"session": obj.session_id}
+        if obj.parent_seq is None:
+            same["parent_seq__isnull"] = "True"
+        else:
+            same["parent_seq"] = obj.parent_seq
+        query = urlencode(same)
         label = gettext("%(n)d of %(total)d") % {"n": kin.index(obj.seq) + 1, "total": len(kin)}
         return format_html('<a href="{}?{}">{}</a>', url, query, label)
 

@@ -225,7 +225,7 @@ def enqueue_continue(
         with transaction.atomic():
             live = lock_live(session.pk)
             cut = continuable_answer(session.pk)
-            if cut is None:
+            if cut is None or (live.forked and cut.seq != live.head_seq):  # H1: on the path
                 raise NothingToContinue()
             turn = enqueue_locked(
                 live,

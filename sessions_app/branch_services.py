@@ -119,7 +119,7 @@ def regenerate_target(session: Session, seq: object | None) -> tuple[Message, in
         path = branches.active_path(session)
         answers = Message.objects.filter(session_id=session.pk, role=Role.ASSISTANT)
         if path is not None:
-            on_path = set(path.seqs)
+            on_path = set(path)
             found = [m for m in answers.order_by("-seq").only("seq") if m.seq in on_path][:1]
         else:
             found = list(answers.order_by("-seq").only("seq")[:1])

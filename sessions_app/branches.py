@@ -10,22 +10,22 @@ message's parent always has a smaller seq than the message: walks go one way and
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from .models import Compaction, Message, Role, Session
+from .rows import cursor as sql_cursor
+
+_MESSAGES = Message._meta.db_table
 
 Parents = Mapping[int, int | None]
 
 
 def parents_of(session_pk: str) -> dict[int, int | None]:
-    """Every message of the dialog: seq -> parent seq, in seq order (two numbers a row, read
-    from the (session, seq) index's table rows)."""
-    rows = (
-        Message.objects.filter(session_id=session_pk)
-        .order_by("seq")
-        .values_list("seq", "parent_seq")
-    )
-    return dict(rows)
+    """Every message of the dialog: seq -> parent seq (two numbers a row, in SQL: a branch
+    switch reads them all)."""
+    sql = f'SELECT m."seq", m."parent_seq" FROM "{_MESSAGES}" m WHERE m."session_id" = %s'  # noqa: S608
+    with sql_cursor() as cursor:
+        cursor.execute(sql, [session_pk])
+        return dict(cursor.fetchall())
 
 
 def path_to(parents: Parents, head: int) -> list[int]:
@@ -59,48 +59,80 @@ def newest_leaf(parents: Parents, seq: int) -> int:
     return max(inside)
 
 
-@dataclass(frozen=True)
-class ActivePath:
-    """The dialog's active path (`seqs`, oldest first) and its forks (`siblings`: for a
-    message whose parent has more than one child, all those children, oldest first)."""
-
-    seqs: list[int]
-    siblings: dict[int, list[int]]
-
-    def mark(self, messages: Iterable[Message]) -> None:
-        """Give each message its siblings for its frame (`events.message_frame`)."""
-        for m in messages:
-            found = self.siblings.get(m.seq)
-            if found is not None:
-                m.siblings = found  # type: ignore[attr-defined]
-
-
-def active_path(session: Session, parents: Parents | None = None) -> ActivePath | None:
-    """The active path of a forked dialog; None for one that never forked (all its messages
-    in seq order are the path, with no siblings)."""
+def active_path(session: Session) -> list[int] | None:
+    """The whole active path of a forked dialog, oldest first; None for one that never forked
+    (all its messages in seq order are the path)."""
     if not session.forked:
         return None
-    if parents is None:
-        parents = parents_of(session.pk)
-    seqs = path_to(parents, session.head_seq)
-    children = children_of(parents)
-    siblings: dict[int, list[int]] = {}
-    for seq in seqs:
-        kin = children.get(parents[seq], [])
-        if len(kin) > 1:
-            siblings[seq] = kin
-    return ActivePath(seqs, siblings)
+    return path_to(parents_of(session.pk), session.head_seq)
 
 
-def siblings_for(session: Session, messages: Sequence[Message]) -> None:
-    """Mark `messages` (any of the dialog's, e.g. a turn's) with their siblings."""
-    if not session.forked or not messages:
+def fork_key(parent_seq: int | None) -> str:
+    """A parent's key in `Session.forks` (JSON object keys are text; "" for no parent)."""
+    return "" if parent_seq is None else str(parent_seq)
+
+
+def mark_siblings(session: Session, messages: Iterable[Message]) -> None:
+    """Give each message its siblings for its frame (`events.message_frame`), from the forks
+    the dialog's row keeps: no read."""
+    forks = session.forks or {}
+    if not forks:
         return
-    children = children_of(parents_of(session.pk))
     for m in messages:
-        kin = children.get(m.parent_seq, [])
-        if len(kin) > 1:
+        kin = forks.get(fork_key(m.parent_seq))
+        if kin:
             m.siblings = kin  # type: ignore[attr-defined]
+
+
+# The active path upward from the head, one step an index lookup on (session, seq): rows
+# below `before` are counted, and the walk stops once it has `count` of them (or reaches a
+# message below `floor`). Written for SQLite and PostgreSQL alike.
+_WALK = (
+    'WITH RECURSIVE p("seq", "parent_seq", "n") AS ('
+    ' SELECT m."seq", m."parent_seq", CASE WHEN m."seq" < %s THEN 1 ELSE 0 END'
+    ' FROM "{table}" m WHERE m."session_id" = %s AND m."seq" = %s'
+    " UNION ALL"
+    ' SELECT m."seq", m."parent_seq", p."n" + CASE WHEN m."seq" < %s THEN 1 ELSE 0 END'
+    ' FROM p JOIN "{table}" m ON m."session_id" = %s AND m."seq" = p."parent_seq"'
+    ' WHERE p."n" < %s AND p."seq" >= %s'
+    ') SELECT p."seq" FROM p WHERE p."seq" < %s AND p."seq" >= %s'
+)
+
+
+def _walk(session: Session, *, before: int, count: int, floor: int) -> list[int]:
+    """Seqs of the active path below `before` and from `floor` on, newest first, at most
+    `count`."""
+    if not session.head_seq:
+        return []
+    sql = _WALK.format(table=_MESSAGES)
+    params: list[int | str] = [before, session.pk, session.head_seq, before, session.pk]
+    params += [count, floor]
+    with sql_cursor() as cursor:
+        cursor.execute(sql, [*params, before, floor])
+        found = [row[0] for row in cursor.fetchall()]
+    return sorted(found, reverse=True)[:count]
+
+
+def page_before(session: Session, before_seq: int | None, count: int) -> list[Message]:
+    """The newest `count` messages of the active path older than `before_seq`, newest first:
+    a walk from the head of about as many steps (not a read of the dialog's tree)."""
+    before = before_seq if before_seq is not None else session.head_seq + 1
+    return _rows(session, _walk(session, before=before, count=count, floor=0), reverse=True)
+
+
+def page_from(session: Session, from_seq: int, count: int) -> list[Message]:
+    """The first `count` messages of the active path from `from_seq` on, oldest first."""
+    seqs = _walk(session, before=session.head_seq + 1, count=2**62, floor=from_seq)
+    return _rows(session, sorted(seqs)[:count], reverse=False)
+
+
+def _rows(session: Session, seqs: list[int], *, reverse: bool) -> list[Message]:
+    if not seqs:
+        return []
+    rows = Message.objects.filter(session_id=session.pk, seq__in=seqs)
+    found = list(rows.order_by("-seq" if reverse else "seq"))
+    mark_siblings(session, found)
+    return found
 
 
 def path_messages(seqs: Sequence[int], session_pk: str) -> list[Message]:
@@ -135,20 +167,27 @@ def answered_user_message(parents: Parents, roles: Mapping[int, str], seq: int) 
     return None
 
 
-def mark_appended(session: Session, messages: Sequence[Message]) -> None:
+def mark_appended(session: Session, messages: Sequence[Message]) -> bool:
     """After an append to a forked dialog (in its transaction): the first new message's
-    siblings, for the `history_delta` that announces it (the rest follow it alone)."""
+    siblings, for the `history_delta` that announces it (the rest follow it alone), kept in
+    the row's `forks` when it has any. Its parent's children are newer than the parent: the
+    read is a range of the (session, seq) index from there. True when `forks` changed (the
+    caller saves it with the row)."""
     if not session.forked or not messages:
-        return
+        return False
     first = messages[0]
-    same_parent = Message.objects.filter(session_id=session.pk)
+    after = first.parent_seq or 0
+    same_parent = Message.objects.filter(session_id=session.pk, seq__gt=after)
     if first.parent_seq is None:
         same_parent = same_parent.filter(parent_seq__isnull=True)
     else:
         same_parent = same_parent.filter(parent_seq=first.parent_seq)
     kin = list(same_parent.order_by("seq").values_list("seq", flat=True))
-    if len(kin) > 1:
-        first.siblings = kin  # type: ignore[attr-defined]
+    if len(kin) < 2:
+        return False
+    first.siblings = kin  # type: ignore[attr-defined]
+    session.forks = {**(session.forks or {}), fork_key(first.parent_seq): kin}
+    return True
 
 
 def path_since_summary(session: Session) -> tuple[Compaction | None, list[Message]]:

@@ -66,6 +66,9 @@ class Session(models.Model):
     # H1: set once the dialog's messages stop being one straight line (an edit, a regenerate
     # or a branch switch); until then the active path is simply every message in seq order.
     forked = models.BooleanField(default=False)
+    # H1: the forks: for each message with several children (its seq as text, "" for none),
+    # their seqs, oldest first; the `siblings` of pages are read from here, not the tree.
+    forks = models.JSONField(default=dict, blank=True)
     # C8: the session plan tool's state.
     plan = models.TextField(blank=True, default="")
     deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)

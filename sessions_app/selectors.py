@@ -162,12 +162,9 @@ def messages_page(
     within `limit` messages and `max_bytes` (default CHAT["HISTORY_PAGE_MAX_BYTES"]). With
     the dialog's row (`session`): its active path only (H1, `branches`)."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
-    path = branches.active_path(session) if session is not None else None
-    if path is not None:
-        seqs = [s for s in path.seqs if before_seq is None or s < before_seq][-(limit + 1) :]
-        newest_first = list(reversed(branches.path_messages(seqs, session_pk)))
+    if session is not None and session.forked:
+        newest_first = branches.page_before(session, before_seq, limit + 1)
         rows, has_more = _within_bytes(newest_first, limit, max_bytes)
-        path.mark(rows)
         return list(reversed(rows)), has_more
     qs = Message.objects.filter(session_id=session_pk)
     if before_seq is not None:
@@ -188,12 +185,8 @@ def messages_from(
     within `limit` messages and `max_bytes`. With the dialog's row (`session`): its active
     path only (H1)."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
-    path = branches.active_path(session) if session is not None else None
-    if path is not None:
-        seqs = [s for s in path.seqs if s >= from_seq][: limit + 1]
-        page, more = _within_bytes(branches.path_messages(seqs, session_pk), limit, max_bytes)
-        path.mark(page)
-        return page, more
+    if session is not None and session.forked:
+        return _within_bytes(branches.page_from(session, from_seq, limit + 1), limit, max_bytes)
     rows = list(
         Message.objects.filter(session_id=session_pk, seq__gte=from_seq).order_by("seq")[
             : limit + 1

@@ -394,7 +394,7 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
-    branches.mark_appended(locked, rows)
+    forks = ("forks",) if branches.mark_appended(locked, rows) else ()
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
     if rows:
@@ -413,6 +413,7 @@ def append_locked(
             "message_count",
             "state_version",
             "last_active_at",
+            *forks,
             *also,
         ],
     )
@@ -534,6 +535,7 @@ def messages_clear(*, session: Session) -> int:
                 total_message_count=0,
                 head_seq=0,
                 forked=False,
+                forks={},
                 state_version=F("state_version") + 1,
                 generation=F("generation") + 1,
             )

@@ -97,15 +97,12 @@ class MessageInline(admin.TabularInline):
     @admin.display(description=_("versions"))
     def versions(self, obj: Message) -> str:
         """H1: at a fork of the active path, which version this is, linked to all of them."""
-        children = self._children.get(obj.session_id)
-        if children is None:
-            session = Session.objects.only("pk", "forked").get(pk=obj.session_id)
-            children = (
-                branches.children_of(branches.parents_of(obj.session_id)) if session.forked else {}
-            )
-            self._children[obj.session_id] = children
-        kin = children.get(obj.parent_seq, [])
-        if len(kin) < 2:
+        forks = self._forks.get(obj.session_id)
+        if forks is None:
+            forks = Session.objects.filter(pk=obj.session_id).values_list("forks", flat=True)[0]
+            self._forks[obj.session_id] = forks or {}
+        kin = (forks or {}).get(branches.fork_key(obj.parent_seq), [])
+        if len(kin) < 2 or obj.seq not in kin:
             return ""
         url = reverse("admin:sessions_app_message_changelist")
         same: dict[str, str | int] = {"session": obj.session_id}
@@ -118,7 +115,7 @@ class MessageInline(admin.TabularInline):
         return format_html('<a href="{}?{}">{}</a>', url, query, label)
 
     @cached_property
-    def _children(self) -> dict[str, dict[int | None, list[int]]]:
+    def _forks(self) -> dict[str, dict[str, list[int]]]:
         return {}
 
     @admin.display(description=_("content"))
@@ -266,7 +263,7 @@ class SessionAdmin(admin.ModelAdmin):
         path = branches.active_path(obj)
         if path is not None:
             # H1: a forked dialog shows its active path; the versions column marks its forks.
-            paginator = Paginator(path.seqs, MESSAGE_PAGE_SIZE)
+            paginator = Paginator(path, MESSAGE_PAGE_SIZE)
             page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
             return queryset.filter(seq__in=list(page.object_list)), page
         paginator = Paginator(queryset.values_list("seq", flat=True), MESSAGE_PAGE_SIZE)

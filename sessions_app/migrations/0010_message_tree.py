@@ -39,6 +39,11 @@ class Migration(migrations.Migration):
             name="forked",
             field=models.BooleanField(default=False),
         ),
+        migrations.AddField(
+            model_name="session",
+            name="forks",
+            field=models.JSONField(blank=True, default=dict),
+        ),
         migrations.AlterField(
             model_name="turn",
             name="mode",

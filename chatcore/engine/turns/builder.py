@@ -615,8 +615,9 @@ class TurnInputBuilder:
         skipped = found.skipped
         if session.forked:
             # H1: the active path only, with a summary only where it lies on that path.
-            history, compaction = forked_context(self.states, session, appended)
-            return session, history, compaction, 0, found.notes
+            chars = self.context_window * WINDOW_CHARS_PER_TOKEN
+            history, compaction, left = forked_context(self.states, session, appended, chars)
+            return session, history, compaction, left, found.notes
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
         else:

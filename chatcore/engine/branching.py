@@ -110,6 +110,8 @@ async def edit(
 ) -> Ack:
     """H1 `edit`: checked like a send's text, charged like a send, then queued and run."""
     text = check_content(content, cfg=engine.cfg)
+    # Bad input is refused before the send budget is charged (it changes nothing).
+    await on_db(branch_services.edit_target)(session, seq)
     await check_model_work(owner, cfg=engine.cfg, closing=engine.closing)
     ack = await on_db(enqueue_edit)(
         session,
@@ -134,6 +136,7 @@ async def regenerate(
     client_msg_id: str = "",
 ) -> Ack:
     """H1 `regenerate`: charged like a send, then queued and run."""
+    await on_db(branch_services.regenerate_target)(session, seq)
     await check_model_work(owner, cfg=engine.cfg, closing=engine.closing)
     ack = await on_db(enqueue_regenerate)(
         session,

@@ -10,7 +10,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from sessions_app.models import Message, Session, Turn
-from tests.api_helpers import Api, bearer_api, error_of
+from tests.api_helpers import Api, bearer_api, error_of, read_stream, stream_post
 from tests.fakemodel import Reply
 from tests.ws_helpers import terminal
 
@@ -165,3 +165,20 @@ async def test_edit_regenerate_and_branch_over_rest(
     _, again = await api.get(f"/sessions/{sid}")
     assert again["head_seq"] == answer_seq
     assert again["history_revision"] == state["history_revision"]
+
+
+async def test_an_edit_streams_like_a_send(api: Api, fake_model: Any) -> None:
+    # covers: H1, E3, D1
+    s = await api.create(dialog_id="streamed")
+    sid = s["session_id"]
+    turn = await api.turn_done((await api.send(sid, "first words"))["turn_id"])
+    seq = turn["messages"][0]["seq"]
+    response = await stream_post(
+        api, f"/sessions/{sid}/messages/{seq}/edit", {"content": "other words"}
+    )
+    events = await read_stream(response)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "queued" and events[0]["mode"] == "edit"
+    assert kinds[-1] == "turn_updated" and events[-1]["status"] == "completed"
+    text = "".join(e["text"] for e in events if e["event"] == "turn_snapshot")
+    assert "echo: other words" in text

@@ -134,3 +134,22 @@ async def test_a_summary_is_used_only_where_it_lies_on_the_active_path(user):
     prepared = await builder.prepare(session_pk=session.pk, runtime=runtime)
     assert "SUMMARY" in _texts(prepared)[0] and _texts(prepared)[1:] == ["q3 edited"]
     assert q2b > q3b > q1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_titles_and_summaries_read_the_active_path(user):
+    from chatcore.engine import jobs
+
+    session = _dialog(user)
+    _append(session, _msg("user", "about cats"), _msg("assistant", "cats are fine"))
+    _append(session, _msg("user", "about dogs"), parent=1)
+    for n in range(4):
+        _append(session, _msg("assistant", f"dog answer {n}"), _msg("user", f"dog question {n}"))
+    title = jobs._title_input(session.pk)
+    assert title is not None
+    transcript = title[0][1]["content"]
+    assert "about dogs" in transcript and "cats" not in transcript
+    summary = jobs._compaction_input(session.pk)
+    assert summary is not None
+    text = summary[0][1]["content"]
+    assert "about dogs" in text and "cats" not in text

@@ -91,7 +91,11 @@ def _title_input(session_pk: str) -> tuple[list[dict[str, str]], int] | None:
     session = Session.objects.filter(pk=session_pk, deleted_at__isnull=True).first()
     if session is None or session.title_source != TitleSource.DEFAULT:
         return None
-    messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
+    if session.forked:
+        # H1: the active path's first messages, not another branch's.
+        messages = branches.page_from(session, 0, 40)
+    else:
+        messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
     transcript = _transcript(messages, limit_chars=6000)
     if not transcript:
         return None

@@ -23,7 +23,7 @@ def message_frame(message: Any) -> dict[str, Any]:
         "content": message.content,
         "created_at": message.created_at.isoformat(),
         # H1: the message it follows on its branch; `siblings` where that one has several.
-        "parent_seq": message.parent_seq,
+        "parent_seq": getattr(message, "parent_seq", None),
     }
     siblings = getattr(message, "siblings", None)
     if siblings:
@@ -197,6 +197,8 @@ def session_history_frame(
         "dialog_id": session.dialog_id,
         "title": session.title,
         "history_revision": session.last_seq,
+        # H1: the last message of the active path these messages end.
+        "head_seq": getattr(session, "head_seq", None) or None,
         "messages": [message_frame(m) for m in messages],
         "has_more": has_more,
         "active_turn": active_turn,

@@ -10,6 +10,8 @@ import { $, el, icon, randomId, t, toast } from "./ui.js";
 
 // The message a switch was made on and where it stood on the screen, until its history comes.
 var anchor = null;
+// Edits sent and not yet shown by a `session_history`: client_msg_id -> how to undo the view.
+var sentEdits = new Map();
 
 function sendOrWarn(frame) {
   if (send(aim(frame))) {
@@ -53,10 +55,23 @@ function switchTo(button, seq) {
   }
 }
 
+/** An edit the server refused (`error` with its client_msg_id): the message shows its text
+ * again. True when `id` was such an edit (the caller still shows the error). */
+export function editRefused(id) {
+  var undo = id && sentEdits.get(id);
+  if (!undo) {
+    return false;
+  }
+  sentEdits.delete(id);
+  undo();
+  return true;
+}
+
 /** After a `session_history`: put the message a switch was made on back where it stood (and
  * keep the keyboard on its switcher). False when no switch is waiting (the caller scrolls as
  * usual). */
 export function restoreAnchor() {
+  sentEdits.clear(); // the transcript was drawn again from the server's view
   var wanted = anchor;
   anchor = null;
   if (!wanted) {
@@ -159,9 +174,14 @@ function openEditor(m, node, opener) {
       close();
       return;
     }
-    if (sendOrWarn({ type: "edit", seq: m.seq, content: text, client_msg_id: randomId() })) {
+    var id = randomId();
+    if (sendOrWarn({ type: "edit", seq: m.seq, content: text, client_msg_id: id })) {
       bubble.textContent = text;
       node.classList.add("msg-pending");
+      sentEdits.set(id, function () {
+        bubble.textContent = m.content || "";
+        node.classList.remove("msg-pending");
+      });
       close();
     }
   }

@@ -11,7 +11,7 @@ import {
   updateReadOnly,
   updateRunning,
 } from "./composer.js";
-import { restoreAnchor } from "./branches.js";
+import { editRefused, restoreAnchor } from "./branches.js";
 import { isLinked } from "./format.js";
 import { renderHeader, updateHash } from "./header.js";
 import {
@@ -332,6 +332,7 @@ function onCommandResult(frame) {
 
 function onError(frame) {
   var id = frame.client_msg_id;
+  editRefused(id);
   if (store.takeSilent(id)) {
     toast(frame.message, "error");
     return;

@@ -104,3 +104,31 @@ def test_versions_on_a_phone_sized_screen(tab: Tab) -> None:
     expect(_user_bubbles(tab)).to_have_text(["on the phone"])
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390
+
+
+def test_switching_keeps_the_reader_where_they_were(tab: Tab) -> None:
+    # covers: H1, E1
+    page = tab.page
+    long = " ".join(["words to make this message tall"] * 25)
+    for n in range(5):
+        tab.send(f"message {n} {long}")
+        expect(tab.answers()).to_have_count(n + 1)
+    third = page.locator("#messages .msg-user").nth(2)
+    third.locator(".edit-btn").click()
+    third.locator(".edit-input").fill("third, short")
+    third.locator(".edit-input").press("Enter")
+    expect(tab.answers().last).to_have_text("echo: third, short")
+    edited = page.locator("#messages .msg-user").nth(2)
+    edited.scroll_into_view_if_needed()
+    page.evaluate("document.getElementById('transcript').scrollTop -= 40")
+    before = edited.bounding_box()
+    assert before is not None
+    edited.locator(".versions").get_by_role("button", name="Previous version").click()
+    expect(page.locator("#messages .msg-user")).to_have_count(5)  # the long branch again
+    switched = page.locator("#messages .msg-user").nth(2)
+    expect(switched.locator(".version-count")).to_have_text("1/2")
+    after = switched.bounding_box()
+    assert after is not None and abs(after["y"] - before["y"]) < 4, (before, after)
+    # The keyboard stays on the switcher.
+    focused = page.evaluate("document.activeElement.className")
+    assert "version-step" in focused

@@ -10,6 +10,7 @@ message's parent always has a smaller seq than the message: walks go one way and
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 from .models import Compaction, Message, Role, Session
 from .rows import cursor as sql_cursor
@@ -165,6 +166,28 @@ def answered_user_message(parents: Parents, roles: Mapping[int, str], seq: int) 
             return at
         at = parents.get(at)
     return None
+
+
+def parent_of_append(session: Session, parent_seq: int | None | Literal[False]) -> int | None:
+    """The parent of an append's first message (`services.append_locked`): the dialog's head,
+    or `parent_seq` when given (an edit's sibling); a parent other than the head, or a head
+    that is not the newest message, forks the dialog."""
+    head = session.head_seq or None
+    parent = head if parent_seq is False else parent_seq
+    if parent != head or (head is not None and head != session.last_seq):
+        session.forked = True
+    return parent
+
+
+def appended(session: Session, messages: Sequence[Message]) -> tuple[str, ...]:
+    """After an append's insert: the last new message is the head, and a fork it made is kept
+    (`mark_appended`). The row's fields this changed, for the append's update."""
+    if messages:
+        session.head_seq = messages[-1].seq
+    return ("head_seq", "forked", "forks") if mark_appended(session, messages) else HEAD_FIELDS
+
+
+HEAD_FIELDS = ("head_seq", "forked")
 
 
 def mark_appended(session: Session, messages: Sequence[Message]) -> bool:

@@ -367,10 +367,7 @@ def append_locked(
     first follows that message instead (an edit's sibling), which forks the dialog."""
     base = locked.last_seq
     now = timezone.now()
-    head = locked.head_seq or None
-    parent = head if parent_seq is False else parent_seq
-    if parent != head or (head is not None and head != base):
-        locked.forked = True
+    parent = branches.parent_of_append(locked, parent_seq)
     rows = []
     for offset, new in enumerate(messages, start=1):
         source = {"kind": new.kind, **new.source}
@@ -394,11 +391,9 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
-    forks = ("forks",) if branches.mark_appended(locked, rows) else ()
+    tree = branches.appended(locked, rows)  # the head, and the forks it made
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
-    if rows:
-        locked.head_seq = locked.last_seq
     locked.total_message_count += len(rows)
     locked.message_count += user_count
     locked.state_version += 1
@@ -407,13 +402,11 @@ def append_locked(
         locked,
         [
             "last_seq",
-            "head_seq",
-            "forked",
+            *tree,
             "total_message_count",
             "message_count",
             "state_version",
             "last_active_at",
-            *forks,
             *also,
         ],
     )

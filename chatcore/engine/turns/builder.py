@@ -613,11 +613,9 @@ class TurnInputBuilder:
         # a dialog longer than that costs one running sum, not one row per message, and
         # the same statement counted those it leaves out.
         skipped = found.skipped
-        if session.forked:
-            # H1: the active path only, with a summary only where it lies on that path.
+        if session.forked:  # H1: the active path only (`turns/paths.py`)
             chars = self.context_window * WINDOW_CHARS_PER_TOKEN
-            history, compaction, left = forked_context(self.states, session, appended, chars)
-            return session, history, compaction, left, found.notes
+            return session, *forked_context(self.states, session, appended, chars), found.notes
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
         else:

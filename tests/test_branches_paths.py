@@ -153,3 +153,39 @@ def test_titles_and_summaries_read_the_active_path(user):
     assert summary is not None
     text = summary[0][1]["content"]
     assert "about dogs" in text and "cats" not in text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_older_pages_of_a_forked_dialog_follow_its_path(user):
+    session = _dialog(user)
+    seqs = _append(
+        session, *[_msg("user" if n % 2 == 0 else "assistant", f"m{n}") for n in range(6)]
+    )
+    (fork,) = _append(session, _msg("user", "m4 again"), parent=seqs[3])
+    _append(session, _msg("assistant", "a4 again"))
+    fresh = Session.objects.get(pk=session.pk)
+    page, more = selectors.messages_page(session_pk=session.pk, session=fresh, limit=3)
+    assert [m.content for m in page] == ["m3", "m4 again", "a4 again"] and more
+    older, more = selectors.messages_page(
+        session_pk=session.pk, session=fresh, before_seq=page[0].seq, limit=3
+    )
+    assert [m.content for m in older] == ["m0", "m1", "m2"] and more
+    first, more = selectors.messages_page(
+        session_pk=session.pk, session=fresh, before_seq=older[0].seq, limit=3
+    )
+    assert [m.seq for m in first] == [1] and not more
+    assert page[1].siblings == [seqs[4], fork]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_clearing_history_starts_one_straight_branch_again(user):
+    session = _dialog(user)
+    _append(session, _msg("user", "q"), _msg("assistant", "a"))
+    _append(session, _msg("user", "q2"), parent=1)
+    services.messages_clear(session=session)
+    cleared = Session.objects.get(pk=session.pk)
+    assert (cleared.head_seq, cleared.forked, cleared.forks) == (0, False, {})
+    (first,) = _append(session, _msg("user", "fresh start"))
+    row = Message.objects.get(session_id=session.pk, seq=first)
+    assert row.parent_seq is None
+    assert not Session.objects.get(pk=session.pk).forked

@@ -218,3 +218,29 @@ async def test_the_path_change_is_announced(make_engine, fake_model, recorder, u
         10,
     )
     assert frames[-1]["history_revision"] == (await row(session)).last_seq
+
+
+async def test_two_edits_of_one_message_make_three_versions(
+    make_engine, fake_model, recorder, user
+):
+    # covers: H1, C1
+    engine = await make_engine()
+    session = await make_dialog(user)
+    rec = await recorder(chat_group_of(session))
+    await answered(engine, session, rec, "original")
+    first = next(m for m in await history(session) if m.content == "original")
+    one = await branching.edit(
+        engine, session, owner=user, seq=first.seq, content="version two", channel="web"
+    )
+    two = await branching.edit(
+        engine, session, owner=user, seq=first.seq, content="version three", channel="web"
+    )
+    done = await terminals(rec, [one.turn_id, two.turn_id])
+    assert {d["status"] for d in done.values()} == {"completed"}
+    shown = await page(session)
+    assert [m.content for m in shown][1:] == ["version three", "echo: version three"]
+    versions = [m.seq for m in await history(session) if m.parent_seq == first.parent_seq]
+    assert len(versions) == 3 and shown[1].siblings == versions
+    # Each answer followed its own version: the model never saw two versions at once.
+    for request in fake_model.turn_requests()[-2:]:
+        assert len(user_texts(request)) == 1

@@ -129,11 +129,18 @@ def regenerate_target(session: Session, seq: object | None) -> tuple[Message, in
     message = _message(session, seq)
     if message.role != Role.ASSISTANT:
         raise BadRequest(_("Only an answer can be regenerated."))
-    rows = Message.objects.filter(session_id=session.pk, seq__lte=message.seq)
-    parents, roles = {}, {}
-    for s, parent, role in rows.values_list("seq", "parent_seq", "role"):
-        parents[s], roles[s] = parent, role
-    answered = branches.answered_user_message(parents, roles, message.seq)
+    # Up from the answer to the user message it answers (past a turn's tool calls and
+    # results): a few lookups by seq.
+    answered, at = None, message.parent_seq
+    while at is not None:
+        step = Message.objects.filter(session_id=session.pk, seq=at)
+        above = step.values_list("role", "parent_seq").first()
+        if above is None:
+            break
+        if above[0] == Role.USER:
+            answered = at
+            break
+        at = above[1]
     if answered is None:
         raise BadRequest(_("This answer answers no message of yours."))
     return message, answered

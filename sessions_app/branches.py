@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from .models import Compaction, Message, Role, Session
+from .models import Compaction, Message, Session
 from .rows import cursor as sql_cursor
 
 _MESSAGES = Message._meta.db_table
@@ -154,17 +154,6 @@ def compaction_on_path(session_pk: str, path: Sequence[int]) -> Compaction | Non
     for compaction in Compaction.objects.filter(session_id=session_pk).order_by("-through_seq"):
         if compaction.through_seq in on_path:
             return compaction
-    return None
-
-
-def answered_user_message(parents: Parents, roles: Mapping[int, str], seq: int) -> int | None:
-    """The user message an answer answers: its nearest user ancestor (a tool call and its
-    results lie between them in a turn with tools)."""
-    at = parents.get(seq)
-    while at is not None:
-        if roles.get(at) == Role.USER:
-            return at
-        at = parents.get(at)
     return None
 
 

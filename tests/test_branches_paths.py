@@ -35,13 +35,9 @@ def test_the_path_runs_from_the_first_message_to_the_head():
     assert branches.newest_leaf(parents, 4) == 4
 
 
-def test_a_missing_parent_ends_the_walk_and_an_answer_finds_its_question():
+def test_a_missing_parent_ends_the_walk():
     parents = {5: 3, 6: 5, 7: 6, 8: 7}  # 3 was cleared away
     assert branches.path_to(parents, 8) == [5, 6, 7, 8]
-    roles = {5: "user", 6: "assistant", 7: "tool", 8: "assistant"}
-    # Past the tool call and its result, to the user message.
-    assert branches.answered_user_message(parents, roles, 8) == 5
-    assert branches.answered_user_message(parents, roles, 5) is None
 
 
 def _dialog(user: Any) -> Session:
@@ -189,3 +185,24 @@ def test_clearing_history_starts_one_straight_branch_again(user):
     row = Message.objects.get(session_id=session.pk, seq=first)
     assert row.parent_seq is None
     assert not Session.objects.get(pk=session.pk).forked
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_regenerate_answers_the_user_message_past_the_tools(user):
+    from chatcore.common.errors import BadRequest
+
+    session = _dialog(user)
+    call = {"id": "c1", "type": "function", "function": {"name": "x", "arguments": "{}"}}
+    q, _call, _result, answer = _append(
+        session,
+        _msg("user", "use a tool"),
+        services.NewMessage(role=Role.ASSISTANT, content="", kind="assistant", tool_calls=[call]),
+        services.NewMessage(role=Role.TOOL, content="42", kind="tool_result", tool_call_id="c1"),
+        _msg("assistant", "it is 42"),
+    )
+    target, answered = branch_services.regenerate_target(session, answer)
+    assert (target.seq, answered) == (answer, q)
+    # Without a seq: the active path's last answer.
+    assert branch_services.regenerate_target(session, None)[0].seq == answer
+    with pytest.raises(BadRequest):
+        branch_services.regenerate_target(session, q)

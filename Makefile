@@ -73,7 +73,7 @@ migrate: $(RUN_STAMP)
 	$(BIN)/python manage.py migrate --noinput
 
 demo-user: migrate
-	@$(BIN)/python manage.py ensure_demo_user --port $(PORT)
+	@$(BIN)/python manage.py ensure_demo_user --staff --port $(PORT)
 
 run: demo-user
 	$(BIN)/python manage.py serve --port $(PORT)

@@ -33,6 +33,17 @@ def _env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
+def _env_windows(name: str) -> dict[str, int]:
+    """`name=tokens,...` (H4: a context window per model); a malformed entry stops the start."""
+    windows: dict[str, int] = {}
+    for item in _env_list(name):
+        model, sep, tokens = item.rpartition("=")
+        if not sep or not model.strip() or not tokens.strip().isdigit():
+            raise ValueError(f"{name} takes name=tokens,... (not {item!r})")
+        windows[model.strip()] = int(tokens)
+    return windows
+
+
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name, "").strip() or default
     if raw not in choices:
@@ -60,6 +71,11 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = _env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", Fal
 # A TLS-terminating proxy in front sets X-Forwarded-Proto; trust it only when it always does.
 if _env_bool("DJANGO_TRUST_X_FORWARDED_PROTO", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# H5: the client address of audit records. Behind that trusted proxy, the last address it
+# appended to X-Forwarded-For; otherwise the connection's peer.
+TRUST_X_FORWARDED_FOR = _env_bool(
+    "DJANGO_TRUST_X_FORWARDED_FOR", _env_bool("DJANGO_TRUST_X_FORWARDED_PROTO", False)
+)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 # Pages run only this site's scripts (no inline script) and are never framed.
 CONTENT_SECURITY_POLICY = {
@@ -84,7 +100,10 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "channels",
     "ninja",
+    # F8: failed logins (web and admin) are logged and throttled per user and address.
+    "axes",
     "sessions_app",
+    "audit",
 ]
 
 MIDDLEWARE = [
@@ -97,7 +116,30 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes asks: it answers a locked-out login with `registration/locked_out`.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# --- Login throttling (F8, django-axes) -----------------------------------------------------
+AUTHENTICATION_BACKENDS = [
+    "sessions_app.login_throttle.ThrottledBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+# After this many failed logins of one username from one address, that pair is refused
+# (429) until the cool-off passes; every failure is logged and kept (admin: Access attempts).
+AXES_FAILURE_LIMIT = _env_int("CHAT_LOGIN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = _env_int("CHAT_LOGIN_COOLOFF_MINUTES", 15) / 60  # hours
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Behind a proxy that appends the client's address to X-Forwarded-For (deploy/nginx.conf):
+# count by that address, not the proxy's. Only when every request comes through the proxy.
+TRUST_X_FORWARDED_FOR = _env_bool("DJANGO_TRUST_X_FORWARDED_FOR", False)
+AXES_CLIENT_IP_CALLABLE = "sessions_app.login_throttle.client_address"
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+# Successful logins are not written to the database (the failures are).
+AXES_DISABLE_ACCESS_LOG = True
+# No banner at every start; failures are still logged (with what they are counted by).
+AXES_VERBOSE = False
 
 ROOT_URLCONF = "chatcore.urls"
 ASGI_APPLICATION = "chatcore.asgi.application"
@@ -243,6 +285,8 @@ CHAT: dict[str, Any] = {
     "QUEUE_CAPACITY": _env_int("CHAT_QUEUE_CAPACITY", 32),
     "GLOBAL_ADMISSION_BOUND": _env_int("CHAT_GLOBAL_ADMISSION_BOUND", 10_000),
     "RETENTION_DAYS": _env_int("CHAT_RETENTION_DAYS", 30),
+    # H5: audit records older than this are purged by the background sweep (0: kept forever).
+    "AUDIT_RETENTION_DAYS": _env_int("CHAT_AUDIT_RETENTION_DAYS", 365),
     "CONTENT_LIMIT": _env_int("CHAT_CONTENT_LIMIT", 65_536),
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
@@ -274,10 +318,17 @@ CHAT: dict[str, Any] = {
     "MODEL_CALLS_MAX": _env_int("CHAT_MODEL_CALLS_MAX", 256),
     "WRITE_RATE_PER_MINUTE": _env_int("CHAT_WRITE_RATE_PER_MINUTE", 120),
     "USER_SOCKETS_MAX": _env_int("CHAT_USER_SOCKETS_MAX", 20),
+    # F4, I3: how long `/healthz` waits for each dependency (they are checked side by side).
+    "HEALTH_TIMEOUT_SECONDS": float(os.environ.get("CHAT_HEALTH_TIMEOUT_SECONDS") or 1.5),
+    # F3: the largest request body `serve` lets through to Django (413 before reading more).
+    "REQUEST_BODY_MAX_BYTES": _env_int("CHAT_REQUEST_BODY_MAX_BYTES", 3 * 1024 * 1024),
     "HISTORY_PAGE_MAX_BYTES": _env_int("CHAT_HISTORY_PAGE_MAX_BYTES", 1024 * 1024),
     "HISTORY_CACHE_MAX_BYTES": _env_int("CHAT_HISTORY_CACHE_MAX_BYTES", 256 * 1024 * 1024),
     "TOKEN_CACHE_ENTRIES": _env_int("CHAT_TOKEN_CACHE_ENTRIES", 500_000),
     "TURN_DEADLINE_SECONDS": _env_int("CHAT_TURN_DEADLINE_SECONDS", 600),
+    # F3: one answer's text and tool call bytes; past it the turn fails `too_large`, keeping
+    # what arrived up to it.
+    "ANSWER_MAX_BYTES": _env_int("CHAT_ANSWER_MAX_BYTES", 2 * 1024 * 1024),
     # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
     # paths of functions taking the engine, which spawn supervised tasks on it.
     "ENGINE_SERVICES": [],
@@ -300,6 +351,8 @@ CHATAPPS: dict[str, dict[str, Any]] = {
         "ENCRYPT_KEY": os.environ.get("FEISHU_ENCRYPT_KEY", "").strip(),
         "API_BASE": os.environ.get("FEISHU_API_BASE", "https://open.feishu.cn").rstrip("/"),
         "EDIT_INTERVAL_SECONDS": 1.0,
+        # A signed callback older (or newer) than this is refused: a replay (Feishu's advice).
+        "MAX_REQUEST_AGE_SECONDS": _env_int("FEISHU_MAX_REQUEST_AGE_SECONDS", 300),
     },
 }
 if CHATAPPS["telegram"]["BOT_TOKEN"]:
@@ -320,6 +373,12 @@ LLM: dict[str, Any] = {
     "API_KEY": os.environ.get("LLM_API_KEY", ""),
     "MODEL": os.environ.get("LLM_MODEL", "gpt-4o-mini"),
     "CONTEXT_WINDOW": _env_int("LLM_CONTEXT_WINDOW", 32768),
+    # H4: the models offered (what the server lists, narrowed to these when set), the context
+    # window of each model that differs from CONTEXT_WINDOW, and how long a list is kept.
+    "MODELS": _env_list("LLM_MODELS"),
+    "CONTEXT_WINDOWS": _env_windows("LLM_CONTEXT_WINDOWS"),
+    "MODELS_REFRESH_SECONDS": 300,
+    "MODELS_TIMEOUT": 5.0,
     "CONNECT_TIMEOUT": 10.0,
     "READ_TIMEOUT": 120.0,
     "MAX_RETRIES": 3,
@@ -334,6 +393,12 @@ LLM: dict[str, Any] = {
     # small keep-alive pool, and a short wait for a pooled connection.
     "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
     "POOL_TIMEOUT": 5.0,
+    # F3, I3: how much of a model server's answer is read: one server-sent event line, the
+    # decompressed stream (bytes, and ratio to what arrived), the start of an error body.
+    "MAX_EVENT_BYTES": _env_int("LLM_MAX_EVENT_BYTES", 1024 * 1024),
+    "MAX_DECODED_BYTES": _env_int("LLM_MAX_DECODED_BYTES", 64 * 1024 * 1024),
+    "MAX_DECODE_RATIO": _env_int("LLM_MAX_DECODE_RATIO", 200),
+    "MAX_ERROR_BODY_BYTES": _env_int("LLM_MAX_ERROR_BODY_BYTES", 64 * 1024),
 }
 
 LOGGING = {

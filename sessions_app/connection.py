@@ -22,6 +22,7 @@ from channels.layers import BaseChannelLayer
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from audit.trail import Actor
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.errors import ChatError, ShuttingDown
@@ -81,8 +82,12 @@ class ChannelConnection:
         chat_id: str,
         layer: BaseChannelLayer,
         reply_channel: str,
+        ip: str | None = None,
+        via: str = "",
     ) -> None:
         self.engine = engine
+        # H5: who acts through this connection and through which door, for the audit trail.
+        self.actor = Actor.of_user(user, ip=ip, via=via or channel)
         self.user = user
         self.channel = channel
         self.chat_id = chat_id
@@ -188,6 +193,7 @@ class ChannelConnection:
             chat_id=self.chat_id,
             current=target,
             engine=self.engine,
+            actor=self.actor,
         )
         return await run_command(self.engine, ctx, text)
 

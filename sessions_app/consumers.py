@@ -23,16 +23,19 @@ from django.http.cookie import parse_cookie
 from django.utils import translation
 from django.utils.translation import gettext as _
 
+from audit.trail import scope_ip
 from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
-from chatcore.engine import commands, runtime
+from chatcore.engine import commands, limits, runtime
+from chatcore.engine.dialog_settings import dialog_settings_update
 
 from . import logins, selectors
 from .connection import ChannelConnection
 from .frames import optional_int, parse_client_frame
 from .models import Session
+from .settings_services import settings_changes
 from .ws_events import CHANNEL, ChatEventsConsumer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +105,8 @@ class ChatConsumer(ChatEventsConsumer):
             chat_id=self.chat_id,
             layer=self.channel_layer,
             reply_channel=self.channel_name,
+            ip=scope_ip(self.scope),
+            via="websocket",
         )
         self.start_relaying()
         self.login = self.scope.get("login")
@@ -356,6 +361,30 @@ class ChatConsumer(ChatEventsConsumer):
     async def _on_sessions(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         await self._send_sessions(client_msg_id)
 
+    async def _on_settings(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        """H4: set the dialog's model and/or system prompt; answered by `session_updated`."""
+        assert self.conn is not None and self.user is not None
+        model, system_prompt = data.get("model"), data.get("system_prompt")
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise BadRequest(_("model must be a model id."))
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise BadRequest(_("system_prompt must be a string."))
+        if model is None and system_prompt is None:
+            raise BadRequest(_("Give a model or a system_prompt."))
+        target = await self._target(data)
+        await on_db_idempotent(selectors.dialog_check_writable)(
+            user_id=self.user.pk, session=target
+        )
+        engine = self.conn.engine
+        await limits.acharge(self.user.pk, limits.WRITE, engine.cfg)
+        session = await dialog_settings_update(
+            engine=engine, session=target, model=model, system_prompt=system_prompt
+        )
+        frame = events.session_updated_frame(session=session, **settings_changes(session))
+        # The same frame also arrives through the chat group; it is not sent twice.
+        self.echoed_updates[frame["session_id"]] = frame
+        await self._send({**frame, "client_msg_id": client_msg_id} if client_msg_id else frame)
+
     HANDLERS = {
         "send": _on_send,
         "steer": _on_steer,
@@ -368,4 +397,5 @@ class ChatConsumer(ChatEventsConsumer):
         "branch": _on_branch,
         "history": _on_history,
         "sessions": _on_sessions,
+        "settings": _on_settings,
     }

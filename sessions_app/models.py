@@ -9,19 +9,18 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Length
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 from chatcore.common.ids import new_uuid
+from chatcore.common.llm_models import default_model
+
+from .choices import TERMINAL_STATUSES as TERMINAL_STATUSES
+from .choices import MessageKind as MessageKind
+from .choices import MessageStatus, Role, TitleSource, TurnMode, TurnStatus
 
 
 def _new_pk() -> str:
     return new_uuid().hex
-
-
-class TitleSource(models.TextChoices):
-    DEFAULT = "default", "default"
-    USER = "user", "user"
-    AUTO = "auto", "auto"
-    OPERATOR = "operator", "operator"
 
 
 class Session(models.Model):
@@ -30,50 +29,61 @@ class Session(models.Model):
 
     id = models.CharField(primary_key=True, max_length=32, default=_new_pk, editable=False)
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="dialogs"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="dialogs",
+        verbose_name=_("owner"),
     )
-    channel = models.CharField(max_length=64)
-    chat_id = models.CharField(max_length=64)
-    dialog_id = models.CharField(max_length=64)
-    title = models.CharField(max_length=200)
+    channel = models.CharField(_("channel"), max_length=64)
+    chat_id = models.CharField(_("chat id"), max_length=64)
+    dialog_id = models.CharField(_("dialog id"), max_length=64)
+    title = models.CharField(_("title"), max_length=200)
     title_source = models.CharField(
-        max_length=16, choices=TitleSource.choices, default=TitleSource.DEFAULT
+        _("title source"), max_length=16, choices=TitleSource.choices, default=TitleSource.DEFAULT
     )
-    created_at = models.DateTimeField(default=timezone.now)
-    last_active_at = models.DateTimeField(default=timezone.now, db_index=True)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    last_active_at = models.DateTimeField(_("last active"), default=timezone.now, db_index=True)
     # A2: message_count counts user messages only; total counts everything in history.
-    message_count = models.PositiveIntegerField(default=0)
-    total_message_count = models.PositiveIntegerField(default=0)
+    message_count = models.PositiveIntegerField(
+        _("user messages"), default=0, help_text=_("Only the messages the user sent.")
+    )
+    total_message_count = models.PositiveIntegerField(_("all messages"), default=0)
     # A3/D2: highest seq ever assigned = the history revision. Never goes back.
-    last_seq = models.BigIntegerField(default=0)
+    last_seq = models.BigIntegerField(_("last seq"), default=0)
     # Bumped by every change of history, title or lifecycle; background jobs commit only if
     # it is unchanged (B4, B5, C9).
-    state_version = models.BigIntegerField(default=0)
+    state_version = models.BigIntegerField(_("state version"), default=0)
     # Bumped only when history is cleared or the dialog deleted/restored: a running turn whose
     # generation changed is stale and commits nothing (C9).
-    generation = models.BigIntegerField(default=0)
+    generation = models.BigIntegerField(_("generation"), default=0)
     # C1: per-session FIFO order of accepted sends.
-    turn_counter = models.BigIntegerField(default=0)
+    turn_counter = models.BigIntegerField(_("turn counter"), default=0)
     # C3: the database lease of the process running this session's turns.
-    lease_owner = models.CharField(max_length=96, blank=True, default="")
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    lease_owner = models.CharField(_("lease owner"), max_length=96, blank=True, default="")
+    lease_expires_at = models.DateTimeField(_("lease expires"), null=True, blank=True)
     # G2: the fencing token of the lease, increased at every acquisition; every write of a
     # turn checks it in its own transaction (chatcore.engine.lease).
-    lease_epoch = models.BigIntegerField(default=0)
+    lease_epoch = models.BigIntegerField(_("lease epoch"), default=0)
     # H1: the last message of the active path (0: no message yet); every append moves it to
     # the new message, a `branch` or a regenerate's start moves it to another leaf.
-    head_seq = models.BigIntegerField(default=0)
+    head_seq = models.BigIntegerField(_("head seq"), default=0)
     # H1: set once the dialog's messages stop being one straight line (an edit, a regenerate
     # or a branch switch); until then the active path is simply every message in seq order.
-    forked = models.BooleanField(default=False)
+    forked = models.BooleanField(_("forked"), default=False)
     # H1: the forks: for each message with several children (its seq as text, "" for none),
     # their seqs, oldest first; the `siblings` of pages are read from here, not the tree.
-    forks = models.JSONField(default=dict, blank=True)
+    forks = models.JSONField(_("forks"), default=dict, blank=True)
     # C8: the session plan tool's state.
-    plan = models.TextField(blank=True, default="")
-    deleted_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    plan = models.TextField(_("plan"), blank=True, default="")
+    # H4: the dialog's model ("" = the server's default, `LLM_MODEL`) and its own
+    # instructions, sent in the first (system) message after the platform's.
+    model = models.CharField(_("model"), max_length=200, blank=True, default="")
+    system_prompt = models.TextField(_("system prompt"), blank=True, default="")
+    deleted_at = models.DateTimeField(_("deleted at"), null=True, blank=True, db_index=True)
 
     class Meta:
+        verbose_name = _("dialog")
+        verbose_name_plural = _("dialogs")
         constraints = [
             models.UniqueConstraint(
                 fields=["channel", "chat_id", "dialog_id"],
@@ -101,58 +111,49 @@ class Session(models.Model):
     def default_title(self) -> str:
         return f"Dialog {self.dialog_id}"
 
-
-class Role(models.TextChoices):
-    SYSTEM = "system", "system"
-    USER = "user", "user"
-    ASSISTANT = "assistant", "assistant"
-    TOOL = "tool", "tool"
-
-
-class MessageKind(models.TextChoices):
-    """Where a message came from; stored in `source["kind"]`."""
-
-    WELCOME = "welcome", "welcome"
-    USER_INPUT = "user_input", "user input"
-    STEER = "steer", "steer"
-    INJECT = "inject", "inject"
-    ASSISTANT = "assistant", "assistant"
-    TOOL_RESULT = "tool_result", "tool result"
-
-
-class MessageStatus(models.TextChoices):
-    COMPLETE = "", "complete"
-    CANCELLED = "cancelled", "cancelled"
-    INTERRUPTED = "interrupted", "interrupted"
-    # E5: the model stopped at its token limit (`length`) or its content filter.
-    TRUNCATED = "truncated", "truncated"
-    FILTERED = "filtered", "filtered"
+    @property
+    def effective_model(self) -> str:
+        """H4: the model a turn of this dialog asks (its own, else the default)."""
+        return self.model or default_model()
 
 
 class Message(models.Model):
     id = models.UUIDField(primary_key=True, default=new_uuid, editable=False)
     # Indexed by the (session, seq) constraint and index below, which lead with it.
     session = models.ForeignKey(
-        Session, on_delete=models.CASCADE, related_name="messages", db_index=False
+        Session,
+        on_delete=models.CASCADE,
+        related_name="messages",
+        db_index=False,
+        verbose_name=_("dialog"),
     )
-    seq = models.BigIntegerField()
+    seq = models.BigIntegerField(_("seq"))
     # H1: the message this one follows on its branch (null for a dialog's first); siblings
     # share it. Never rewritten, like the rest of the row.
-    parent_seq = models.BigIntegerField(null=True, blank=True)
-    role = models.CharField(max_length=16, choices=Role.choices)
-    content = models.TextField(blank=True, default="")
-    media_refs = models.JSONField(default=list, blank=True)
-    tool_call_id = models.CharField(max_length=128, blank=True, default="")
-    tool_name = models.CharField(max_length=128, blank=True, default="")
-    tool_calls = models.JSONField(null=True, blank=True)
-    created_at = models.DateTimeField(default=timezone.now)
+    parent_seq = models.BigIntegerField(_("parent seq"), null=True, blank=True)
+    role = models.CharField(_("role"), max_length=16, choices=Role.choices)
+    content = models.TextField(_("content"), blank=True, default="")
+    media_refs = models.JSONField(_("media"), default=list, blank=True)
+    tool_call_id = models.CharField(_("tool call id"), max_length=128, blank=True, default="")
+    tool_name = models.CharField(_("tool name"), max_length=128, blank=True, default="")
+    tool_calls = models.JSONField(_("tool calls"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
     # D5: kind, channel, sender id, reply_to, client_msg_id; hidden from the model (C8).
-    source = models.JSONField(default=dict, blank=True)
+    source = models.JSONField(_("source"), default=dict, blank=True)
     status = models.CharField(
-        max_length=16, choices=MessageStatus.choices, default=MessageStatus.COMPLETE, blank=True
+        _("status"),
+        max_length=16,
+        choices=MessageStatus.choices,
+        default=MessageStatus.COMPLETE,
+        blank=True,
     )
     turn = models.ForeignKey(
-        "Turn", null=True, blank=True, on_delete=models.SET_NULL, related_name="messages"
+        "Turn",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="messages",
+        verbose_name=_("turn"),
     )
     # The content's length in characters, kept by the database on every write: a turn's
     # context window sums it over the dialog's history (`selectors.TurnContextStatement`)
@@ -163,6 +164,8 @@ class Message(models.Model):
     )
 
     class Meta:
+        verbose_name = _("message")
+        verbose_name_plural = _("messages")
         constraints = [
             models.UniqueConstraint(fields=["session", "seq"], name="uniq_message_seq"),
         ]
@@ -173,33 +176,13 @@ class Message(models.Model):
         ordering = ["seq"]
 
     def __str__(self) -> str:
-        return f"#{self.seq} {self.role}: {self.content[:40]}"
+        # An answer that only calls tools is named by its calls (the admin's row titles).
+        calls = [str((c.get("function") or {}).get("name", "?")) for c in self.tool_calls or []]
+        return f"#{self.seq} {self.role}: {self.content[:40] or ', '.join(calls)}"
 
     @property
     def kind(self) -> str:
         return str(self.source.get("kind", ""))
-
-
-class TurnMode(models.TextChoices):
-    SEND = "send", "send"
-    RETRY = "retry", "retry"
-    # E5: go on with a cut (`truncated`) answer; the cut message's id is in `source`.
-    CONTINUE = "continue", "continue"
-    # H1: a user message edited (a sibling of it, `source.edit_of`) and an answer asked for
-    # again (a sibling answer, `source.regenerate_of`).
-    EDIT = "edit", "edit"
-    REGENERATE = "regenerate", "regenerate"
-
-
-class TurnStatus(models.TextChoices):
-    QUEUED = "queued", "queued"
-    RUNNING = "running", "running"
-    COMPLETED = "completed", "completed"
-    CANCELLED = "cancelled", "cancelled"
-    FAILED = "failed", "failed"
-
-
-TERMINAL_STATUSES = (TurnStatus.COMPLETED, TurnStatus.CANCELLED, TurnStatus.FAILED)
 
 
 class Turn(models.Model):
@@ -210,32 +193,53 @@ class Turn(models.Model):
     # Both indexed by the composite indexes below, which lead with them: an index of their
     # own is one more for every turn's insert and end to keep.
     session = models.ForeignKey(
-        Session, on_delete=models.CASCADE, related_name="turns", db_index=False
+        Session,
+        on_delete=models.CASCADE,
+        related_name="turns",
+        db_index=False,
+        verbose_name=_("dialog"),
     )
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+", db_index=False
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="+",
+        db_index=False,
+        verbose_name=_("owner"),
     )
-    number = models.BigIntegerField()
-    mode = models.CharField(max_length=10, choices=TurnMode.choices, default=TurnMode.SEND)
-    status = models.CharField(max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED)
-    reason = models.CharField(max_length=16, blank=True, default="")
-    error_kind = models.CharField(max_length=32, blank=True, default="")
-    error_message = models.TextField(blank=True, default="")
-    content = models.TextField(blank=True, default="")
-    client_msg_id = models.CharField(max_length=128, blank=True, default="")
-    source = models.JSONField(default=dict, blank=True)
-    received_at = models.DateTimeField(default=timezone.now)
+    number = models.BigIntegerField(_("number"))
+    mode = models.CharField(
+        _("mode"), max_length=10, choices=TurnMode.choices, default=TurnMode.SEND
+    )
+    status = models.CharField(
+        _("status"), max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED
+    )
+    reason = models.CharField(_("reason"), max_length=16, blank=True, default="")
+    error_kind = models.CharField(_("error kind"), max_length=32, blank=True, default="")
+    error_message = models.TextField(_("error message"), blank=True, default="")
+    content = models.TextField(_("content"), blank=True, default="")
+    client_msg_id = models.CharField(_("client message id"), max_length=128, blank=True, default="")
+    source = models.JSONField(_("source"), default=dict, blank=True)
+    received_at = models.DateTimeField(_("received"), default=timezone.now)
     retry_of = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        verbose_name=_("retry of"),
     )
     # C11: partial answer checkpoint (not a message) and tool progress.
-    partial_text = models.TextField(blank=True, default="")
-    cancel_requested = models.BooleanField(default=False)
-    usage = models.JSONField(default=dict, blank=True)
-    started_at = models.DateTimeField(null=True, blank=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
+    partial_text = models.TextField(_("partial text"), blank=True, default="")
+    cancel_requested = models.BooleanField(_("cancel requested"), default=False)
+    usage = models.JSONField(_("usage"), default=dict, blank=True)
+    # H4: the model a completed turn asked (its usage is that model's).
+    model = models.CharField(_("model"), max_length=200, blank=True, default="")
+    started_at = models.DateTimeField(_("started"), null=True, blank=True)
+    finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
 
     class Meta:
+        verbose_name = _("turn")
+        verbose_name_plural = _("turns")
         constraints = [
             models.UniqueConstraint(fields=["session", "number"], name="uniq_turn_number"),
         ]
@@ -318,12 +322,17 @@ class MemoryNote(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memory_notes"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="memory_notes",
+        verbose_name=_("owner"),
     )
-    content = models.TextField()
-    created_at = models.DateTimeField(default=timezone.now)
+    content = models.TextField(_("content"))
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
 
     class Meta:
+        verbose_name = _("memory note")
+        verbose_name_plural = _("memory notes")
         ordering = ["created_at"]
 
     def __str__(self) -> str:
@@ -335,16 +344,21 @@ class ApiToken(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="api_tokens",
+        verbose_name=_("user"),
     )
-    name = models.CharField(max_length=100, blank=True, default="")
-    prefix = models.CharField(max_length=12, editable=False)
-    key_hash = models.CharField(max_length=64, unique=True, editable=False)
-    created_at = models.DateTimeField(default=timezone.now)
-    last_used_at = models.DateTimeField(null=True, blank=True)
-    revoked_at = models.DateTimeField(null=True, blank=True)
+    name = models.CharField(_("name"), max_length=100, blank=True, default="")
+    prefix = models.CharField(_("prefix"), max_length=12, editable=False)
+    key_hash = models.CharField(_("key hash"), max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    last_used_at = models.DateTimeField(_("last used"), null=True, blank=True)
+    revoked_at = models.DateTimeField(_("revoked at"), null=True, blank=True)
 
     class Meta:
+        verbose_name = _("API token")
+        verbose_name_plural = _("API tokens")
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
@@ -365,11 +379,14 @@ class ChannelAccount(models.Model):
     as a whole)."""
 
     id = models.BigAutoField(primary_key=True)
-    channel = models.CharField(max_length=64)
-    external_id = models.CharField(max_length=128)
-    display_name = models.CharField(max_length=200, blank=True, default="")
+    channel = models.CharField(_("channel"), max_length=64)
+    external_id = models.CharField(_("external id"), max_length=128)
+    display_name = models.CharField(_("display name"), max_length=200, blank=True, default="")
     service_user = models.OneToOneField(
-        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="channel_account"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.PROTECT,
+        related_name="channel_account",
+        verbose_name=_("service user"),
     )
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -377,16 +394,20 @@ class ChannelAccount(models.Model):
         blank=True,
         on_delete=models.SET_NULL,
         related_name="linked_channel_accounts",
-        help_text="A web user who sees this account's chat-app dialogs in their sidebar.",
+        verbose_name=_("linked user"),
+        help_text=_("A web user who sees this account's chat-app dialogs in their sidebar."),
     )
     writable = models.BooleanField(
+        _("writable"),
         default=False,
-        help_text="The linked user may also write into these dialogs from the web and the API.",
+        help_text=_("The linked user may also write into these dialogs from the web and the API."),
     )
-    created_at = models.DateTimeField(default=timezone.now)
-    last_seen_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    last_seen_at = models.DateTimeField(_("last seen"), default=timezone.now)
 
     class Meta:
+        verbose_name = _("chat account")
+        verbose_name_plural = _("chat accounts")
         constraints = [
             models.UniqueConstraint(fields=["channel", "external_id"], name="uniq_channel_account")
         ]
@@ -406,15 +427,19 @@ class ChannelChat(models.Model):
     keeps the chat's current dialog across restarts (B1)."""
 
     id = models.BigAutoField(primary_key=True)
-    channel = models.CharField(max_length=64)
-    chat_id = models.CharField(max_length=64)
-    is_group = models.BooleanField(default=False)
-    title = models.CharField(max_length=200, blank=True, default="")
-    account = models.ForeignKey(ChannelAccount, on_delete=models.PROTECT, related_name="chats")
-    current_dialog_id = models.CharField(max_length=64, blank=True, default="")
-    created_at = models.DateTimeField(default=timezone.now)
+    channel = models.CharField(_("channel"), max_length=64)
+    chat_id = models.CharField(_("chat id"), max_length=64)
+    is_group = models.BooleanField(_("group"), default=False)
+    title = models.CharField(_("title"), max_length=200, blank=True, default="")
+    account = models.ForeignKey(
+        ChannelAccount, on_delete=models.PROTECT, related_name="chats", verbose_name=_("account")
+    )
+    current_dialog_id = models.CharField(_("current dialog"), max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
 
     class Meta:
+        verbose_name = _("platform chat")
+        verbose_name_plural = _("platform chats")
         constraints = [
             models.UniqueConstraint(fields=["channel", "chat_id"], name="uniq_channel_chat")
         ]

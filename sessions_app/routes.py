@@ -36,16 +36,18 @@ from django.http import (
 from django.utils.translation import gettext as _
 from ninja import Query, Router, Status
 
+from audit.trail import Actor, client_ip
 from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import NotFound, ShuttingDown
 from chatcore.common.ids import owner_chat_id
 from chatcore.engine import background, clientstate, limits, runtime
+from chatcore.engine.dialog_settings import dialog_settings_update
 from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack
 from chatcore.engine.sessions import dialog_create
 
-from . import selectors, services
+from . import selectors, services, usage
 from .api_auth import request_login
 from .connection import build_inbound
 from .models import Session
@@ -56,6 +58,7 @@ from .schemas import (
     ErrorOut,
     MessageIn,
     MessagePageOut,
+    ModelListOut,
     RetryIn,
     SessionCreateIn,
     SessionListOut,
@@ -94,6 +97,11 @@ SEND_ERRORS: dict[int, Any] = {
 
 def _user(request: HttpRequest) -> User:
     return cast(User, request.auth)  # type: ignore[attr-defined]
+
+
+def _actor(request: HttpRequest, user: User) -> Actor:
+    """H5: the caller (a token's or a session's user; `request.user` is not set for a token)."""
+    return Actor.of_user(user, ip=client_ip(request.META), via="rest")
 
 
 def _owned(user: User, session_id: str) -> Session:
@@ -159,7 +167,11 @@ async def list_sessions(
         items, count = selectors.session_list_for_owner(
             owner_id=user.pk, channel=channel, chat_id=chat_id, limit=limit, offset=offset
         )
-        return {"items": [clientstate.session_state(s, engine) for s in items], "count": count}
+        used = usage.sessions_usage(session_pks=[s.pk for s in items])
+        return {
+            "items": [clientstate.session_state(s, engine, used[s.pk]) for s in items],
+            "count": count,
+        }
 
     return await on_db_idempotent(read)()
 
@@ -211,8 +223,8 @@ async def get_session(request: HttpRequest, session_id: str) -> dict[str, Any]:
 
 @router.patch(
     "/sessions/{session_id}",
-    response={200: SessionOut, **WRITE_ERRORS},
-    summary="Rename a dialog",
+    response={200: SessionOut, 400: ErrorOut, **WRITE_ERRORS},
+    summary="Rename a dialog, or set its model and system prompt",
     exclude_unset=True,
 )
 async def rename_session(
@@ -221,12 +233,37 @@ async def rename_session(
     user = _user(request)
     engine = await runtime.get_engine()
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    session = await on_db_idempotent(_writable)(user, session_id)
+    if payload.model is not None or payload.system_prompt is not None:
+        # H4: the model is checked first, so an unknown one changes nothing.
+        session = await dialog_settings_update(
+            engine=engine,
+            session=session,
+            model=payload.model,
+            system_prompt=payload.system_prompt,
+        )
 
     def rename() -> dict[str, Any]:
-        session = services.session_rename(session=_writable(user, session_id), title=payload.title)
-        return clientstate.session_state(session, engine)
+        renamed = session
+        if payload.title is not None:
+            renamed = services.session_rename(
+                session=session, title=payload.title, actor=_actor(request, user)
+            )
+        return clientstate.session_state(renamed, engine)
 
     return await on_db(rename)()
+
+
+@router.get(
+    "/models",
+    response={200: ModelListOut, **ERRORS},
+    summary="The models a dialog may use, and the default",
+)
+async def list_models(request: HttpRequest) -> dict[str, Any]:
+    """H4: what the model server lists (`GET {LLM_BASE_URL}/models`, asked at most every
+    5 minutes), narrowed by `LLM_MODELS`."""
+    engine = await runtime.get_engine()
+    return engine.models.listing(await engine.models.aids())
 
 
 @router.delete(
@@ -239,7 +276,7 @@ async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
     await limits.acharge(user.pk, limits.WRITE, engine.cfg)
-    await delete_dialog(engine=engine, session=session, by=user)
+    await delete_dialog(engine=engine, session=session, by=_actor(request, user))
     response = HttpResponse(status=204)
     del response["Content-Type"]  # no body, so no type
     return response

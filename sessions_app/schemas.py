@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from ninja import Field, Schema
-from pydantic import AfterValidator
+from pydantic import AfterValidator, model_validator
+
+from chatcore.common.llm_models import SYSTEM_PROMPT_MAX
 
 # A1: each part of a session id.
 ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -73,7 +75,44 @@ class SessionCreateIn(Schema):
 
 
 class SessionRenameIn(Schema):
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)]
+    """PATCH a dialog: any of its title, model and system prompt (H4); omitted = unchanged."""
+
+    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
+    model: Annotated[Text, Field(min_length=1, max_length=200)] | None = Field(
+        None, description="One of the ids of `GET /models`; anything else answers 400."
+    )
+    system_prompt: Annotated[Text, Field(max_length=SYSTEM_PROMPT_MAX)] | None = Field(
+        None,
+        description="The dialog's own instructions, sent in the first (system) message "
+        "after the platform's; empty clears them.",
+    )
+
+    @model_validator(mode="after")
+    def _something(self) -> SessionRenameIn:
+        if self.title is None and self.model is None and self.system_prompt is None:
+            raise ValueError("give a title, a model or a system_prompt")
+        return self
+
+
+class UsageOut(Schema):
+    """Tokens the model reported (H4); `cached_tokens` where the server gave them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class UsageTotalsOut(UsageOut):
+    turns: int = Field(description="The completed turns the totals cover.")
+
+
+class ModelOut(Schema):
+    id: str
+
+
+class ModelListOut(Schema):
+    items: list[ModelOut]
+    default: str = Field(description="The model of a dialog that chose none.")
 
 
 class ToolProgressOut(Schema):
@@ -121,6 +160,9 @@ class SessionOut(Schema):
     status: Literal["idle", "running"]
     active_turn: TurnSnapshotOut | None
     queue: list[QueueItemOut]
+    model: str = Field(description="The model its turns ask (H4).")
+    system_prompt: str = Field(description="The dialog's own instructions (H4).")
+    usage: UsageTotalsOut = Field(description="What its completed turns used (H4).")
 
 
 class SessionListOut(Schema):
@@ -248,3 +290,5 @@ class TurnOut(Schema):
     )
     client_msg_id: str | None
     messages: list[MessageOut] = Field(description="The turn's committed messages.")
+    model: str | None = Field(None, description="The model a completed turn asked (H4).")
+    usage: UsageOut = Field(description="What the model reported for this turn (H4).")

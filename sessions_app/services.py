@@ -20,13 +20,13 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
+from audit.trail import Action, Actor, audit_dialog
 from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from . import branches
 from .models import (
-    ApiToken,
     Message,
     MessageKind,
     Role,
@@ -42,6 +42,8 @@ from .rows import insert as rows_insert
 from .rows import merged as rows_merged
 from .rows import update as rows_update
 from .storage import storage_retry
+from .token_services import api_token_issue as api_token_issue
+from .token_services import api_token_revoke as api_token_revoke
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ def session_create_with_history(
     chat_id: str,
     dialog_id: str | None = None,
     title: str | None = None,
+    model: str = "",
 ) -> tuple[Session, list[Message]]:
     """`session_create`, with the new dialog's whole history as stored (its welcome message):
     for the engine's history cache, which then holds the dialog from its start (G6)."""
@@ -128,6 +131,7 @@ def session_create_with_history(
                 dialog_id=key.dialog_id,
                 created_at=now,
                 last_active_at=now,
+                model=model,
             )
             session.title = clean or session.default_title
             session.title_source = TitleSource.USER if clean else TitleSource.DEFAULT
@@ -167,17 +171,25 @@ def _announce_created(session: Session, welcome: Message) -> None:
     )
 
 
-def session_rename(*, session: Session, title: str, source: str = TitleSource.USER) -> Session:
-    """Rename a dialog. A rename by a person always wins over automatic titles (B4)."""
+def session_rename(
+    *, session: Session, title: str, source: str = TitleSource.USER, actor: Actor | None = None
+) -> Session:
+    """Rename a dialog. A rename by a person always wins over automatic titles (B4).
+    `actor` (here and below): who, for the audit record (H5); None is the system."""
     clean = clean_title(title)
 
     def write() -> None:
         with transaction.atomic():
-            updated = Session.objects.filter(pk=session.pk, deleted_at__isnull=True).update(
+            live = Session.objects.filter(pk=session.pk, deleted_at__isnull=True)
+            old = live.values_list("title", flat=True).first()  # H5: as stored, not as passed
+            updated = live.update(
                 title=clean, title_source=source, state_version=F("state_version") + 1
             )
             if not updated:
                 raise NotFound(_("Dialog not found."))
+            audit_dialog(
+                actor=actor, action=Action.DIALOG_RENAME, session=session, old=old, new=clean
+            )
 
     storage_retry(write, what="session_rename", session=session)
     session.refresh_from_db()
@@ -205,16 +217,23 @@ def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
     return session
 
 
-def title_reset(*, session: Session) -> Session:
+def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     """Put the default title back (an operator's "regenerate title"), so the title job may
     replace it."""
+    new = session.default_title
 
     def write() -> None:
-        Session.objects.filter(pk=session.pk).update(
-            title=session.default_title,
-            title_source=TitleSource.DEFAULT,
-            state_version=F("state_version") + 1,
-        )
+        with transaction.atomic():
+            Session.objects.filter(pk=session.pk).update(
+                title=new, title_source=TitleSource.DEFAULT, state_version=F("state_version") + 1
+            )
+            audit_dialog(
+                actor=actor,
+                action=Action.DIALOG_RENAME,
+                session=session,
+                old=session.title,
+                new=new,
+            )
 
     storage_retry(write, what="title_reset", session=session)
     session.refresh_from_db()
@@ -222,7 +241,7 @@ def title_reset(*, session: Session) -> Session:
     return session
 
 
-def session_soft_delete(*, session: Session) -> Session:
+def session_soft_delete(*, session: Session, actor: Actor | None = None) -> Session:
     """Hide a dialog at once (A7). Queued sends end as cancelled (stale); a running turn sees
     the state change and commits nothing (C9)."""
 
@@ -236,6 +255,9 @@ def session_soft_delete(*, session: Session) -> Session:
             )
             if not updated:
                 raise NotFound(_("Dialog not found."))
+            audit_dialog(
+                actor=actor, action=Action.DIALOG_DELETE, session=session, title=session.title
+            )
             queued = list(Turn.objects.filter(session=session, status=TurnStatus.QUEUED))
             Turn.objects.filter(pk__in=[t.pk for t in queued]).update(
                 status=TurnStatus.CANCELLED, reason="stale", finished_at=now
@@ -264,7 +286,7 @@ def session_soft_delete(*, session: Session) -> Session:
     return session
 
 
-def session_restore(*, session: Session) -> Session:
+def session_restore(*, session: Session, actor: Actor | None = None) -> Session:
     """Bring back a soft-deleted dialog unless a live one has taken its id (A7)."""
     if session.deleted_at is None:
         return session
@@ -286,6 +308,9 @@ def session_restore(*, session: Session) -> Session:
                 generation=F("generation") + 1,
                 last_active_at=timezone.now(),
             )
+            audit_dialog(
+                actor=actor, action=Action.DIALOG_RESTORE, session=session, title=session.title
+            )
 
     storage_retry(write, what="session_restore", session=session)
     session.refresh_from_db()
@@ -295,9 +320,9 @@ def session_restore(*, session: Session) -> Session:
     return session
 
 
-def session_purge(*, session: Session) -> None:
+def session_purge(*, session: Session, actor: Actor | None = None) -> None:
     """Physical delete with cascade (A7)."""
-    storage_retry(lambda: Session.objects.filter(pk=session.pk).delete(), what="session_purge")
+    _purge_one(session.pk, actor or Actor.system())
 
 
 def sessions_purge_expired(*, now: datetime | None = None) -> int:
@@ -306,14 +331,18 @@ def sessions_purge_expired(*, now: datetime | None = None) -> int:
     cutoff = now - timedelta(days=settings.CHAT["RETENTION_DAYS"])
     count = 0
     for pk in list(Session.objects.filter(deleted_at__lt=cutoff).values_list("pk", flat=True)):
-        _purge_one(pk)
+        _purge_one(pk, Actor.system(via="sweep"))
         count += 1
     return count
 
 
-def _purge_one(pk: str) -> None:
+def _purge_one(pk: str, actor: Actor) -> None:
     def write() -> None:
-        Session.objects.filter(pk=pk).delete()
+        with transaction.atomic():
+            # H5: the record names the dialog as it was; nothing is recorded if it is gone.
+            gone = Session.objects.filter(pk=pk).first()
+            if gone is not None and Session.objects.filter(pk=pk).delete()[0]:
+                audit_dialog(actor=actor, action=Action.DIALOG_PURGE, session=gone, purged=True)
 
     storage_retry(write, what="purge")
 
@@ -537,26 +566,6 @@ def messages_clear(*, session: Session) -> int:
     count = storage_retry(write, what="messages_clear", session=session)
     session.refresh_from_db()
     return count
-
-
-# --- API tokens ---------------------------------------------------------------------------
-
-
-def api_token_issue(*, user: User, name: str = "") -> tuple[ApiToken, str]:
-    """Create a token; the plain key is returned once and only its hash is stored (F2)."""
-    from .auth import hash_token
-
-    raw = "cc_" + secrets.token_urlsafe(32)
-    token = ApiToken.objects.create(user=user, name=name, prefix=raw[:10], key_hash=hash_token(raw))
-    return token, raw
-
-
-def api_token_revoke(*, token: ApiToken) -> None:
-    """F2, F8: the token stops working, and its open sockets and streams end (on commit)."""
-    from .logins import end_logins
-
-    ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
-    end_logins(token_ids=[token.pk])
 
 
 def validate_dialog_id(value: object) -> str:

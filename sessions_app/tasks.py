@@ -43,11 +43,16 @@ def compact_session(session_pk: str, manual: bool = False) -> int | None:
 
 @shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
 def purge_deleted_sessions() -> int:
+    from audit.trail import audit_purge_expired
     from sessions_app import services
 
     count = services.sessions_purge_expired()
     if count:
         logger.info("purged %d dialogs past retention", count)
+    # H5: audit records past CHAT_AUDIT_RETENTION_DAYS go in the same sweep.
+    records = audit_purge_expired()
+    if records:
+        logger.info("purged %d audit records past retention", records)
     return count
 
 

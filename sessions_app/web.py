@@ -19,6 +19,8 @@ from django.utils.translation import get_language
 from django.utils.translation import gettext as _
 from django.views.decorators.cache import never_cache
 
+from .web_settings import settings_config, settings_strings
+
 WS_PATH = "/ws/chat/"
 
 
@@ -118,7 +120,9 @@ def chat_page(request: HttpRequest) -> HttpResponse:
         "language": get_language() or settings.LANGUAGE_CODE,
         "content_limit": settings.CHAT["CONTENT_LIMIT"],
         "user": {"username": user.get_username(), "display_name": display_name},
-        "strings": js_strings(),
+        "strings": {**js_strings(), **settings_strings()},
+        # H4: the model picker, the settings panel and the usage under each answer.
+        "dialog_settings": settings_config(),
     }
     return render(
         request,

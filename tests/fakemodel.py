@@ -80,6 +80,11 @@ class FakeModelServer:
         self.key_of: Callable[[dict[str, Any]], str] | None = None
         self.active_by_key: dict[str, int] = {}
         self.max_active_by_key: dict[str, int] = {}
+        # `GET /models` (H4): the ids it lists, the status it answers with, and how many
+        # times it was asked (never recorded in `requests`).
+        self.models: list[str] = ["fake"]
+        self.models_status = 200
+        self.models_calls = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -155,6 +160,9 @@ class FakeModelServer:
                 length = int(headers.get("content-length", "0"))
                 body = json.loads(await reader.readexactly(length)) if length else {}
                 target = lines[0].split(" ")[1] if " " in lines[0] else ""
+                if lines[0].startswith("GET ") and target.rstrip("/").endswith("/models"):
+                    await self._list_models(writer)
+                    continue
                 record = RecordedRequest(body=body, headers=headers, target=target)
                 with self._lock:
                     if self.record:
@@ -182,6 +190,23 @@ class FakeModelServer:
             pass
         finally:
             writer.close()
+
+    async def _list_models(self, writer: asyncio.StreamWriter) -> None:
+        with self._lock:
+            self.models_calls += 1
+            status, ids = self.models_status, list(self.models)
+        if status == 200:
+            payload = json.dumps(
+                {"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}
+            ).encode()
+        else:
+            payload = json.dumps({"error": {"message": "fake failure"}}).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
 
     async def _respond(
         self,

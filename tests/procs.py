@@ -83,7 +83,9 @@ def _template(demo_password: str | None) -> Path:
                 done = manage("migrate", "--noinput", env=env)
             else:
                 _copy_database(_template(None), folder)
-                done = manage("ensure_demo_user", env={**env, "DEMO_PASSWORD": demo_password})
+                done = manage(
+                    "ensure_demo_user", "--staff", env={**env, "DEMO_PASSWORD": demo_password}
+                )
             assert done.returncode == 0, f"template failed:\n{done.stdout}\n{done.stderr}"
             _templates[demo_password] = folder / "chat.sqlite3"
         return _templates[demo_password]

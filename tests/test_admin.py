@@ -181,8 +181,8 @@ def test_change_page_shows_messages_in_seq_order(client: Client, operator: Any, 
     assert positions == sorted(positions)
     formset = response.context["inline_admin_formsets"][0].formset
     assert [m.seq for m in formset.queryset] == [1, 2, 3, 4]
-    # Read-only: only the title is a form field.
-    assert list(response.context["adminform"].form.fields) == ["title"]
+    # Read-only but for the title and the dialog's settings (H4).
+    assert list(response.context["adminform"].form.fields) == ["title", "model", "system_prompt"]
 
 
 # covers: E2

@@ -51,6 +51,7 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/sessions/{session_id}/messages/{seq}/regenerate": {"post"},
         "/api/v1/sessions/{session_id}/branch": {"post"},
         "/api/v1/turns/{turn_id}": {"get"},
+        "/api/v1/models": {"get"},
     }
     assert set(paths) == set(expected)
     for path, methods in expected.items():

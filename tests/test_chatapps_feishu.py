@@ -11,6 +11,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ def encrypt(plaintext: str, key: str = ENCRYPT_KEY) -> str:
 
 
 def signed(body: bytes, key: str = ENCRYPT_KEY) -> dict[str, str]:
-    timestamp, nonce = "1700000000", "nonce-1"
+    timestamp, nonce = str(int(time.time())), "nonce-1"
     signature = hashlib.sha256((timestamp + nonce + key).encode() + body).hexdigest()
     return {
         "X-Lark-Request-Timestamp": timestamp,
@@ -98,7 +99,7 @@ class App:
             "header": {
                 "event_id": event_id or f"ev-{self._events}-{os.urandom(4).hex()}",
                 "event_type": "im.message.receive_v1",
-                "create_time": "1700000000000",
+                "create_time": str(int(time.time() * 1000)),
                 "token": VERIFY,
                 "app_id": FEISHU_APP_ID,
             },
@@ -389,3 +390,103 @@ async def test_named_dialogs_and_title_with_slash_commands(app: App) -> None:
     chat = await sync_to_async(ChannelChat.objects.get)()
     assert chat.current_dialog_id == second
     assert len(await turns()) == 0
+
+
+# --- malformed and replayed callbacks (issue 56 rows 5, 6, 8) ---------------------------------
+
+
+async def nothing_stored() -> None:
+    assert await sync_to_async(ChannelEvent.objects.count)() == 0
+    assert await sync_to_async(Session.objects.count)() == 0
+
+
+async def test_unauthenticated_odd_callbacks_are_refused_never_a_500(app_with: Any) -> None:
+    # covers: F2, I3 (issue 56 row 5: a non-ASCII token, a header that is a string, a
+    # non-ASCII signature answered 500)
+    plain = await app_with(encrypted=False)
+    event = plain.event("hello")
+    assert (
+        await plain.post({**event, "header": {**event["header"], "token": "é"}})
+    ).status_code == 403
+    assert (await plain.post({**event, "header": "x"})).status_code == 400
+    assert (await plain.post({"token": ["x"], "type": "url_verification"})).status_code == 400
+    body = json.dumps({"encrypt": encrypt(json.dumps(event))}).encode()
+    with override_settings(**feishu_settings(plain.fake, encrypted=True)):
+        for signature in ("é" * 64, "\u00ff", ""):
+            headers = {**signed(body), "X-Lark-Signature": signature}
+            response = await plain.http.post(
+                EVENTS, body, content_type="application/json", headers=headers
+            )
+            assert response.status_code == 403
+    await nothing_stored()
+
+
+async def test_a_malformed_event_with_a_valid_token_is_400_and_stores_nothing(
+    app_with: Any,
+) -> None:
+    # covers: F3, I3 (issue 56 row 6: an event body "x" or content "[1]" answered 500 and
+    # left a ChannelEvent row behind)
+    for encrypted in (False, True):
+        app = await app_with(encrypted=encrypted)
+        event = app.event("hello")
+        message = event["event"]["message"]
+        broken = [
+            {**event, "event": "x"},
+            {**event, "event": {**event["event"], "message": {**message, "content": "[1]"}}},
+            {**event, "event": {**event["event"], "message": {**message, "content": "{"}}},
+            {**event, "event": {**event["event"], "message": {**message, "mentions": "x"}}},
+            {**event, "event": {**event["event"], "message": {**message, "chat_id": 5}}},
+            {**event, "event": {**event["event"], "sender": []}},
+            {**event, "header": {**event["header"], "event_id": 5}},
+        ]
+        for payload in broken:
+            response = await app.post(payload)
+            assert response.status_code == 400, (payload, response.content)
+        await nothing_stored()
+    # Content nested as deep as the JSON reader allows is read with it, not a 500.
+    deep = app.event("deep")
+    deep["event"]["message"]["content"] = '{"text": "deep", "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    assert (await app.post(deep)).json()["result"] == "send"
+    # A well-formed event afterwards is answered as usual.
+    sent, outcome = await app.say("still here?")
+    assert outcome == "send"
+    await app.idle()
+    assert app.answers_to(sent)
+
+
+async def test_a_correctly_signed_old_callback_is_refused_as_a_replay(app: App, fake_model) -> None:
+    # covers: F2, D5 (issue 56 row 8: a signed body from 2001 was accepted and answered;
+    # replays stay refused past the 7 days event ids are kept)
+    event = app.event("hello from the past")
+    body = json.dumps({"encrypt": encrypt(json.dumps(event))}).encode()
+    for timestamp in ("978307200", str(int(time.time()) - 3600), str(int(time.time()) + 3600), "x"):
+        nonce = "nonce-old"
+        signature = hashlib.sha256((timestamp + nonce + ENCRYPT_KEY).encode() + body).hexdigest()
+        headers = {
+            "X-Lark-Request-Timestamp": timestamp,
+            "X-Lark-Request-Nonce": nonce,
+            "X-Lark-Signature": signature,
+        }
+        response = await app.http.post(
+            EVENTS, body, content_type="application/json", headers=headers
+        )
+        assert response.status_code == 403
+    await nothing_stored()
+    assert fake_model.turn_requests() == []
+    # The same event signed now is accepted.
+    assert (await app.post(event)).json()["result"] == "send"
+
+
+async def test_an_event_created_before_its_id_is_remembered_is_refused(
+    app_with: Any, fake_model
+) -> None:
+    # covers: D5, F2 (issue 56 row 8: event ids are forgotten after 7 days; an older event,
+    # signed or not, is refused by its create_time instead of being handled again)
+    for encrypted in (False, True):
+        app = await app_with(encrypted=encrypted)
+        for create_time in ("978307200000", str(int((time.time() - 8 * 86400) * 1000)), "soon"):
+            event = app.event("an old event")
+            event["header"]["create_time"] = create_time
+            assert (await app.post(event)).status_code == 403
+        await nothing_stored()
+    assert fake_model.turn_requests() == []

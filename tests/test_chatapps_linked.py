@@ -79,6 +79,8 @@ async def test_rest_refuses_every_write_into_a_read_only_linked_dialog(
         ("POST", f"{base}/continue", None),
         ("POST", f"{base}/compact", None),
         ("PATCH", base, {"title": "renamed from the web"}),
+        ("PATCH", base, {"model": "fake"}),  # H4
+        ("PATCH", base, {"system_prompt": "Be brief."}),
         ("DELETE", base, None),
     ]
     for method, path, body in writes:
@@ -123,6 +125,9 @@ async def test_websocket_refuses_every_write_into_a_read_only_linked_dialog(
         {"type": "send", "content": "/delete"},
         {"type": "send", "content": "/compact"},
         {"type": "send", "content": "/stop"},
+        {"type": "settings", "model": "fake"},  # H4
+        {"type": "settings", "system_prompt": "Be brief."},
+        {"type": "send", "content": "/model fake"},
     ]
     for frame in writes:
         answer = await ws.ask({**frame, "session_id": sid, "client_msg_id": cmid()})
@@ -139,6 +144,7 @@ async def test_websocket_refuses_every_write_into_a_read_only_linked_dialog(
     assert answer["code"] == "read_only"
     fresh = await sync_to_async(Session.objects.get)(pk=session.pk)
     assert fresh.deleted_at is None and fresh.title == session.title
+    assert (fresh.model, fresh.system_prompt) == ("", "")
     assert len(await turns()) == 1
 
 

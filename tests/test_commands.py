@@ -110,18 +110,43 @@ def test_issue_token_refuses_an_inactive_user(make_user: Callable[..., Any]) -> 
 # --- ensure_demo_user -----------------------------------------------------------------------
 
 
-def test_ensure_demo_user_creates_a_staff_login_and_prints_it(
+def test_ensure_demo_user_creates_a_plain_login_and_prints_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # covers: F8 (issue 56 row 10: the demo login is never staff by default)
     monkeypatch.delenv("DEMO_PASSWORD", raising=False)
 
     out = "\n".join(run("ensure_demo_user", "--port", "8123"))
 
     demo = get_user_model().objects.get(username="demo")
-    assert demo.is_staff and demo.is_superuser and demo.is_active
+    assert demo.is_active and not demo.is_staff and not demo.is_superuser
     assert demo.check_password("demo-password")
     assert "Demo login: demo / demo-password" in out
-    assert "http://127.0.0.1:8123/" in out
+    assert "http://127.0.0.1:8123/" in out and "admin" not in out
+
+
+def test_ensure_demo_user_with_staff_makes_the_admin_login_of_make_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # covers: F2, F8 (`make run` passes --staff: the admin works on a local demo)
+    monkeypatch.delenv("DEMO_PASSWORD", raising=False)
+
+    out = "\n".join(run("ensure_demo_user", "--staff", "--port", "8123"))
+
+    demo = get_user_model().objects.get(username="demo")
+    assert demo.is_staff and demo.is_superuser and demo.is_active
+    assert "http://127.0.0.1:8123/admin/" in out
+
+
+def test_ensure_demo_user_makes_none_once_a_deployment_key_is_set(settings: Any) -> None:
+    # covers: F8 (issue 56 row 10: no demo login with a known password on a deployment)
+    settings.SECRET_KEY = "a-real-deployment-key-0123456789-abcdefghijklmnopqrstuvwxyz"
+
+    err = StringIO()
+    call_command("ensure_demo_user", "--staff", stdout=StringIO(), stderr=err)
+
+    assert "this machine only" in err.getvalue()
+    assert not get_user_model().objects.filter(username="demo").exists()
 
 
 def test_ensure_demo_user_is_idempotent_and_keeps_a_changed_password(
@@ -149,13 +174,13 @@ def test_ensure_demo_user_reset_restores_password_and_flags(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("DEMO_PASSWORD", raising=False)
-    run("ensure_demo_user")
+    run("ensure_demo_user", "--staff")
     demo = get_user_model().objects.get(username="demo")
     demo.set_password("changed-by-the-user")
     demo.is_superuser = False
     demo.save()
 
-    out = "\n".join(run("ensure_demo_user", "--reset"))
+    out = "\n".join(run("ensure_demo_user", "--reset", "--staff"))
 
     demo.refresh_from_db()
     assert demo.check_password("demo-password")

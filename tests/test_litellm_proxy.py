@@ -201,3 +201,21 @@ async def test_mock_response_model(gateway, recorder, user):
     done = await run(engine, session, rec, "hello")
     assert done["status"] == "completed"
     assert answers(await history(session))[-1].content == "A mock answer from the gateway."
+
+
+async def test_the_model_list_and_a_dialogs_model_through_the_gateway(gateway, recorder, user):
+    # covers: H4, E5
+    from chatcore.engine.dialog_settings import dialog_settings_update
+
+    with override_settings(LLM={**settings.LLM, "API_KEY": MASTER_KEY, "MODELS": []}):
+        engine = await gateway()
+    ids = await engine.models.aids()
+    assert ids[0] == "scripted" and set(ids) == {"scripted", "mocked"}
+    session = await make_dialog(user)
+    await dialog_settings_update(engine=engine, session=session, model="mocked")
+    session = await type(session).objects.select_related("owner").aget(pk=session.pk)
+    assert session.model == "mocked"
+    rec = await recorder(chat_group_of(session))
+    done = await run(engine, session, rec, "hello")
+    assert done["status"] == "completed"
+    assert answers(await history(session))[-1].content == "A mock answer from the gateway."

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from chatcore.engine.provider import OpenAIProvider, sse_payloads
+from chatcore.engine.provider import OpenAIProvider
 from chatcore.engine.provider_net import HIGH_WATER, ModelTransport, provider_transport
+from chatcore.engine.provider_read import sse_payloads
 from chatcore.engine.provider_types import Completion, ProviderError, TextDelta, complete_text
 from tests.fakemodel import Reply
 from tests.procs import free_port
@@ -467,10 +468,11 @@ async def test_events_that_arrive_together_are_one_step_of_the_loop(serve) -> No
     ],
 )
 async def test_a_malformed_chunked_answer_is_a_clear_error(serve, broken: bytes) -> None:
-    # covers: E5, C10 (bad bytes from the model server fail the turn, they are never text)
+    # covers: E5, C10, I3 (bad bytes from the model server fail the turn, they are never
+    # text; a malformed answer is `bad_response`, which a retry would not fix)
     _server, url = await serve(writes_then_stalls(CHUNKED_HEAD + broken, 1))
     provider = provider_for(url, read_timeout=5)
-    assert await failure_of(provider) == "connection"
+    assert await failure_of(provider) == "bad_response"
     await provider.aclose()
 
 

@@ -25,7 +25,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     """The base URL of a `serve` process started as `make run` does, and its log file."""
     var_dir = tmp_path_factory.mktemp("var")
     env = embedded_env(var_dir, DEMO_PASSWORD="smoke-test-password")
-    for args in (("migrate", "--noinput"), ("ensure_demo_user",)):
+    for args in (("migrate", "--noinput"), ("ensure_demo_user", "--staff")):
         done = manage(*args, env=env)
         assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
         if args[0] == "ensure_demo_user":

@@ -158,6 +158,8 @@ def session_item(session: Any, *, read_only: bool = False) -> dict[str, Any]:
         "channel": session.channel,
         "chat_id": session.chat_id,
         "read_only": read_only,
+        # H4: the model its turns ask.
+        "model": session.effective_model,
     }
 
 
@@ -203,6 +205,9 @@ def session_history_frame(
         "has_more": has_more,
         "active_turn": active_turn,
         "queue": queue,
+        # H4: the dialog's settings.
+        "model": session.effective_model,
+        "system_prompt": session.system_prompt,
     }
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from channels.layers import get_channel_layer
 
 from chatcore.common import events, publish
-from sessions_app import selectors
+from sessions_app import selectors, usage
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .turns.outcome import present_notice
@@ -111,8 +111,11 @@ def session_history_frame(
     )
 
 
-def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
-    """A dialog as the REST API returns it."""
+def session_state(
+    session: Session, engine: Engine | None, used: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A dialog as the REST API returns it; `used`: its usage totals, when read already (a
+    page of dialogs reads them in one query)."""
     snapshot = active_turn(session, engine)
     return {
         "session_id": session.session_id,
@@ -129,6 +132,10 @@ def session_state(session: Session, engine: Engine | None) -> dict[str, Any]:
         "status": "running" if snapshot is not None else "idle",
         "active_turn": snapshot,
         "queue": queue_items(session),
+        # H4: the dialog's settings and what its turns used.
+        "model": session.effective_model,
+        "system_prompt": session.system_prompt,
+        "usage": used if used is not None else usage.session_usage(session_pk=session.pk),
     }
 
 
@@ -151,6 +158,9 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
         "messages": [events.message_frame(m) for m in turn.messages.order_by("seq")],
+        # H4: the model it asked and what that model reported.
+        "model": turn.model or None,
+        "usage": usage.usage_of(turn.usage),
     }
 
 

@@ -16,14 +16,17 @@ from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy
 
+from audit.trail import Actor
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import BadRequest, UnknownCommand
 from chatcore.common.ids import validate_part
-from sessions_app import selectors, services
+from sessions_app import selectors, services, usage
 from sessions_app.models import Session
 
 from . import limits
+from .dialog_settings import dialog_settings_update
 from .dialogs import delete_dialog
+from .model_catalog import process_catalog
 from .sessions import SessionStates, dialog_after_delete, dialog_create
 
 if TYPE_CHECKING:
@@ -37,6 +40,12 @@ class CommandContext:
     chat_id: str
     current: Session | None
     engine: Engine | None = None
+    # H5: who runs the command and from where, for the audit trail (default: the owner).
+    actor: Actor | None = None
+
+    @property
+    def audit_actor(self) -> Actor:
+        return self.actor or Actor.of_user(self.owner)
 
 
 @dataclass
@@ -135,13 +144,23 @@ def _states(ctx: CommandContext) -> SessionStates | None:
 
 @command("new", usage="/new [title]", help=gettext_lazy("Start a new dialog"), takes_args=True)
 async def _new(ctx: CommandContext, args: str) -> CommandResult:
-    session = await on_db(dialog_create)(
-        owner=ctx.owner,
-        channel=ctx.channel,
-        chat_id=ctx.chat_id,
-        title=args or None,
-        states=_states(ctx),
-    )
+    current = ctx.current
+
+    def create() -> Session:
+        # H4: a new dialog of the chat keeps the model its last dialog used.
+        model: str | None = ""
+        if current is not None:
+            model = Session.objects.filter(pk=current.pk).values_list("model", flat=True).first()
+        return dialog_create(
+            owner=ctx.owner,
+            channel=ctx.channel,
+            chat_id=ctx.chat_id,
+            title=args or None,
+            states=_states(ctx),
+            model=model or "",
+        )
+
+    session = await on_db(create)()
     return CommandResult(
         "new",
         _("Created dialog %(id)s: %(title)s") % {"id": session.dialog_id, "title": session.title},
@@ -194,7 +213,9 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
     if not args:
         raise BadRequest(_("Usage: /rename <title>"))
-    session = await on_db(services.session_rename)(session=session, title=args)
+    session = await on_db(services.session_rename)(
+        session=session, title=args, actor=ctx.audit_actor
+    )
     return CommandResult(
         "rename",
         _("Renamed to: %(title)s") % {"title": session.title},
@@ -206,7 +227,7 @@ async def _rename(ctx: CommandContext, args: str) -> CommandResult:
 @command("delete", usage="/delete", help=gettext_lazy("Delete the current dialog"), writes=True)
 async def _delete(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
-    await delete_dialog(engine=ctx.engine, session=session, by=ctx.owner)
+    await delete_dialog(engine=ctx.engine, session=session, by=ctx.audit_actor)
     current = await on_db(dialog_after_delete)(
         owner=ctx.owner, channel=ctx.channel, chat_id=ctx.chat_id, states=_states(ctx)
     )
@@ -223,13 +244,13 @@ async def _delete(ctx: CommandContext, args: str) -> CommandResult:
 async def _info(ctx: CommandContext, args: str) -> CommandResult:
     session = _require_current(ctx)
 
-    def gather() -> tuple[Session, int, bool]:
+    def gather() -> tuple[Session, int, bool, dict[str, int]]:
         fresh = Session.objects.get(pk=session.pk)
         queued = len(selectors.turn_queue(session_pk=session.pk))
         running = selectors.turn_running(session_pk=session.pk) is not None
-        return fresh, queued, running
+        return fresh, queued, running, usage.session_usage(session_pk=session.pk)
 
-    fresh, queued, running = await on_db(gather)()
+    fresh, queued, running, used = await on_db(gather)()
     lines = [
         _("Dialog: %(id)s") % {"id": fresh.dialog_id},
         _("Session: %(sid)s") % {"sid": fresh.session_id},
@@ -240,6 +261,19 @@ async def _info(ctx: CommandContext, args: str) -> CommandResult:
         % {"user": fresh.message_count, "total": fresh.total_message_count},
         _("Status: %(status)s, %(queued)d queued")
         % {"status": _("running") if running else _("idle"), "queued": queued},
+        # H4: the dialog's model, its own instructions and what its turns used.
+        _("Model: %(model)s") % {"model": fresh.effective_model},
+        _("System prompt: %(chars)d characters") % {"chars": len(fresh.system_prompt)},
+        _(
+            "Tokens used: %(prompt)d prompt (%(cached)d cached), %(completion)d completion "
+            "in %(turns)d answers"
+        )
+        % {
+            "prompt": used["prompt_tokens"],
+            "cached": used["cached_tokens"],
+            "completion": used["completion_tokens"],
+            "turns": used["turns"],
+        },
     ]
     return CommandResult("info", "\n".join(lines))
 
@@ -275,6 +309,32 @@ async def _compact(ctx: CommandContext, args: str) -> CommandResult:
 
         await on_db(background.request_compaction)(session_pk=session.pk, manual=True)
     return CommandResult("compact", _("Compaction started; you will be told when it is done."))
+
+
+@command(
+    "model",
+    usage="/model [name]",
+    help=gettext_lazy("Show the models, or choose the current dialog's"),
+    takes_args=True,
+    writes=True,
+)
+async def _model(ctx: CommandContext, args: str) -> CommandResult:
+    """H4: what a chat app or the terminal has for the web chat's model picker."""
+    session = _require_current(ctx)
+    catalog = ctx.engine.models if ctx.engine is not None else process_catalog()
+    if args:
+        # Its `session_updated` reaches the chat's clients through the chat group.
+        session = await dialog_settings_update(engine=ctx.engine, session=session, model=args)
+        return CommandResult(
+            "model",
+            _("This dialog now uses %(model)s.") % {"model": session.effective_model},
+            current=session,
+        )
+    fresh = await on_db(Session.objects.get)(pk=session.pk)
+    lines = [_("Models (the current dialog's is marked):")] + [
+        f"{'*' if name == fresh.effective_model else '-'} {name}" for name in await catalog.aids()
+    ]
+    return CommandResult("model", "\n".join(lines))
 
 
 @command("help", usage="/help", help=gettext_lazy("Show this help"))

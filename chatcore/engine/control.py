@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from django.conf import settings
 
+from audit.trail import audit_purge_expired
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
 from sessions_app import services, storage
@@ -88,6 +89,7 @@ async def sweep_loop(engine: ControlHandler) -> None:
                 last_evict = time.monotonic()
                 engine.evict_idle()
                 await on_db(services.sessions_purge_expired)()
+                await on_db(audit_purge_expired)()  # H5
         except asyncio.CancelledError:
             raise
         except Exception:

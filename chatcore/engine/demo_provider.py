@@ -31,6 +31,7 @@ class DemoProvider:
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
         max_tokens: int | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         users = [m for m in messages if m.get("role") == "user"]
         last_user = _strip_runtime(str(users[-1]["content"])) if users else ""

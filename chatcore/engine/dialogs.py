@@ -11,8 +11,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from channels.layers import get_channel_layer
-from django.contrib.auth.models import User
 
+from audit.trail import Actor
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
 from sessions_app import selectors, services
@@ -24,17 +24,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-async def delete_dialog(*, engine: Engine | None, session: Session, by: User | None) -> None:
+async def delete_dialog(*, engine: Engine | None, session: Session, by: Actor) -> None:
     """Cancel the running turn (it finds itself stale and commits nothing, C9), drop the
     queued turns (cancelled, `stale`), soft-delete the dialog (A7) and publish all of it.
 
     `engine` is this process's engine when the caller runs in its loop (a channel); without
     one (an operator's admin request), the cancel reaches whichever engine runs the turn
-    through the engines' control group. `by` is who deleted it (None: the system)."""
+    through the engines' control group. `by` is who deleted it, recorded in the same
+    transaction as the delete (H5)."""
     running = await on_db(selectors.turn_running)(session_pk=session.pk)
     # The soft delete flags the running turn in its own transaction (C9), before the turn is
     # woken: whenever it commits, it finds itself stale and writes nothing ...
-    await on_db(services.session_soft_delete)(session=session)
+    await on_db(services.session_soft_delete)(session=session, actor=by)
     if running is not None:
         # ... and this wakes it wherever it runs, rather than at its next checkpoint.
         if engine is not None:
@@ -43,7 +44,7 @@ async def delete_dialog(*, engine: Engine | None, session: Session, by: User | N
             await _signal_cancel(str(running.pk))
     logger.info(
         "dialog deleted",
-        extra={"session_id": session.session_id, "by": by.pk if by is not None else None},
+        extra={"session_id": session.session_id, "by": by.name},
     )
 
 

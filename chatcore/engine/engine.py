@@ -42,6 +42,7 @@ from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
 from .layerwatch import LayerWatch
+from .model_catalog import ModelCatalog
 from .provider import provider_from_settings
 from .provider_types import ChatProvider
 from .scheduler import CeleryScheduler, InProcessScheduler, Scheduler
@@ -78,6 +79,8 @@ class Engine:
         # F7: at most CHAT["MODEL_CALLS_MAX"] model calls of this process at once.
         self.provider = limits.bounded(provider or provider_from_settings(), settings.CHAT)
         self.tools = tools or registry_from_settings()
+        # H4: the models this process's model server offers (cached, refreshed every 5 min).
+        self.models = ModelCatalog.for_provider(self.provider)
         self.states = SessionStates()
         self.builder = builder or TurnInputBuilder(states=self.states)
         self.supervisor = TaskSupervisor(self.process_id)
@@ -220,7 +223,7 @@ class Engine:
         # round trip of its lock, where the admission is round trips to a database server
         # (PostgreSQL); the started turn's input is built from it while the admission commits.
         context_chars = (
-            self.builder.context_window * WINDOW_CHARS_PER_TOKEN
+            self.builder.window_of(session) * WINDOW_CHARS_PER_TOKEN
             if self.writes is None
             and inbound.mode in ("send", "steer")
             and (start_as is not None or held is not None)
@@ -365,7 +368,12 @@ class Engine:
         request = FirstRequest.of(
             prepared, builder=self.builder, tools=self.tools, max_steps=self.cfg["MAX_STEPS"]
         )
-        ahead = make(messages=request.messages, tools=request.tools, max_tokens=request.max_tokens)
+        ahead = make(
+            messages=request.messages,
+            tools=request.tools,
+            max_tokens=request.max_tokens,
+            model=request.model,
+        )
         return request, ahead
 
     # --- stop / retry / continue (C6, E5) ------------------------------------------------

@@ -487,12 +487,15 @@ class BoundedProvider:
         purpose: str = "turn",
         max_tokens: int | None = None,
         prepared: Any = None,
+        model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         """`prepared`: the request made ahead by the provider's `prepare_request`, if it has
         one (the others are never given any)."""
         completion: Completion | None = None
         # Only for a provider that made it: the others take no such argument.
         ahead = {} if prepared is None else {"prepared": prepared}
+        if model is not None:
+            ahead["model"] = model  # H4: the dialog's model
         async with self._slots:
             self.active += 1
             self.max_active = max(self.max_active, self.active)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import orjson
 from django.conf import settings
 
 from chatcore.logging import scrub
@@ -27,10 +25,18 @@ from .provider_errors import (
     LIMIT_PARAMS,
     AnswerLimitRejected,
     classify_http_error,
-    classify_stream_error,
     limit_rejection,
 )
+from .provider_http import MalformedResponse
 from .provider_net import provider_transport
+from .provider_read import (
+    BodyDecoder,
+    EventLines,
+    fitting,
+    read_chunk,
+    read_error_body,
+    too_large,
+)
 from .provider_types import (
     ChatProvider,
     Completion,
@@ -42,6 +48,29 @@ from .provider_types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBounds:
+    """How much of a model server's answer is read (F3, I3): one event line, the decoded
+    stream, the start of an error body, and one answer's text and tool call bytes."""
+
+    event_bytes: int = 1024 * 1024
+    decoded_bytes: int = 64 * 1024 * 1024
+    decode_ratio: int = 200
+    error_body_bytes: int = 64 * 1024
+    answer_bytes: int = 2 * 1024 * 1024
+
+    @classmethod
+    def from_settings(cls) -> ReadBounds:
+        cfg = settings.LLM
+        return cls(
+            event_bytes=cfg["MAX_EVENT_BYTES"],
+            decoded_bytes=cfg["MAX_DECODED_BYTES"],
+            decode_ratio=cfg["MAX_DECODE_RATIO"],
+            error_body_bytes=cfg["MAX_ERROR_BODY_BYTES"],
+            answer_bytes=settings.CHAT["ANSWER_MAX_BYTES"],
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +102,9 @@ class OpenAIProvider:
         max_tokens_param: str = "max_tokens",
         max_keepalive_connections: int = 10,
         pool_timeout: float = 5.0,
+        bounds: ReadBounds | None = None,
     ) -> None:
+        self.bounds = bounds or ReadBounds()
         self.base_url = base_url.rstrip("/")
         self.max_tokens_param = max_tokens_param
         # E5: what the server taught us about the answer token limit (its largest value; 0 =
@@ -122,13 +153,19 @@ class OpenAIProvider:
             max_tokens_param=cfg["MAX_TOKENS_PARAM"],
             max_keepalive_connections=cfg["MAX_KEEPALIVE_CONNECTIONS"],
             pool_timeout=cfg["POOL_TIMEOUT"],
+            bounds=ReadBounds.from_settings(),
         )
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        # Only the encodings `BodyDecoder` undoes within its bounds.
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "Accept-Encoding": "gzip, deflate",
+        }
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
@@ -139,11 +176,12 @@ class OpenAIProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         max_tokens: int | None = None,
+        model: str | None = None,
     ) -> PreparedRequest:
         """The request `stream` would send for this input, made now, on any thread (a turn's
         first request is made where its input is built, off the event loop, F7); `stream`
-        given it sends it as it is."""
-        payload = self._payload(messages, tools, max_tokens)
+        given it sends it as it is. `model`: the dialog's (H4), else this provider's."""
+        payload = self._payload(messages, tools, max_tokens, model)
         return PreparedRequest(self._request(encode_body(payload)), payload, self._limits())
 
     async def stream(
@@ -154,14 +192,16 @@ class OpenAIProvider:
         purpose: str = "turn",
         max_tokens: int | None = None,
         prepared: PreparedRequest | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         """`prepared`: this input's request from `prepare_request`, sent as it is unless
-        what the server taught this provider about the answer limit changed since."""
+        what the server taught this provider about the answer limit changed since.
+        `model`: the dialog's (H4), else this provider's."""
         request = None
         if prepared is not None and prepared.limits == self._limits():
             payload, request = prepared.payload, prepared.request
         else:
-            payload = self._payload(messages, tools, max_tokens)
+            payload = self._payload(messages, tools, max_tokens, model)
         attempt = 0
         adjusted = False
         while True:
@@ -193,9 +233,10 @@ class OpenAIProvider:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         max_tokens: int | None,
+        model: str | None = None,
     ) -> dict[str, Any]:
         payload: dict[str, Any] = {
-            "model": self.model,
+            "model": model or self.model,
             "messages": messages,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -272,6 +313,24 @@ class OpenAIProvider:
         finally:
             await response.aclose()
 
+    async def _refusal(
+        self, resp: httpx.Response, decoder: BodyDecoder, payload: dict[str, Any]
+    ) -> ProviderError:
+        """What a response that is not a 2xx stream means. Only the start of its body is read
+        (I3: the rest is discarded with its connection)."""
+        raw = await read_error_body(resp.aiter_raw(), decoder, self.bounds.error_body_bytes)
+        body = raw.decode("utf-8", "replace")
+        status = resp.status_code
+        logger.warning("model server HTTP %s: %s", status, scrub(body[:500]))
+        if status < 200 or 300 <= status < 400:
+            # A 101 or a redirect: no answer, and nothing a retry would change.
+            return ProviderError(
+                "bad_response", f"the model server answered HTTP {status}", status=status
+            )
+        param = next((p for p in LIMIT_PARAMS if p in payload), "")
+        rejected = limit_rejection(status, body, param)
+        return rejected if rejected is not None else classify_http_error(status, body)
+
     async def _stream_once(
         self, payload: dict[str, Any], request: httpx.Request | None = None
     ) -> AsyncIterator[ProviderEvent]:
@@ -282,59 +341,80 @@ class OpenAIProvider:
         finish_reason = ""
         if request is None:
             request = self._request(encode_body(payload))
+        bounds = self.bounds
+        answer_bytes = 0
         try:
             async with self._post(request) as resp:
-                if resp.status_code >= 400:
-                    body = (await resp.aread()).decode("utf-8", "replace")
-                    logger.warning("model server HTTP %s: %s", resp.status_code, scrub(body[:500]))
-                    param = next((p for p in LIMIT_PARAMS if p in payload), "")
-                    rejected = limit_rejection(resp.status_code, body, param)
-                    if rejected is not None:
-                        raise rejected
-                    raise classify_http_error(resp.status_code, body)
+                decoder = BodyDecoder(
+                    resp.headers.get("content-encoding", ""),
+                    max_bytes=bounds.decoded_bytes,
+                    max_ratio=bounds.decode_ratio,
+                )
+                if not 200 <= resp.status_code < 300:
+                    raise await self._refusal(resp, decoder, payload)
                 # Read the stream to its end, also past [DONE] (STYLE 6). The bytes are
-                # split into lines here, not by httpx's text and line decoders: this runs for
-                # every delta of every answer, on the loop all sockets share (F7). The text
-                # deltas of one read go out as one (the snapshot is the same, one hop less).
-                rest = b""
+                # split into lines here (`EventLines`, each byte once, one line bounded), not
+                # by httpx's text and line decoders: this runs for every delta of every
+                # answer, on the loop all sockets share (F7). The text deltas of one read go
+                # out as one (the snapshot is the same, one hop less).
+                lines = EventLines(bounds.event_bytes)
                 first = True
-                async for raw in resp.aiter_bytes():
-                    payloads, rest = sse_payloads(rest + raw if rest else raw)
-                    pieces: list[str] = []
-                    error: ProviderError | None = None
-                    for data in payloads:
-                        try:
-                            piece, usage, finish_reason = _read_chunk(
-                                data, calls, usage, finish_reason
-                            )
-                        except ProviderError as exc:
-                            error = exc
-                            break
-                        if piece and first:
-                            # D1: the answer's first piece goes out alone, as soon as it is
-                            # parsed: not after the rest of its read (a model server that
-                            # sends its answer in one burst), and its first frame is its
-                            # first token.
-                            first = False
-                            text_parts.append(piece)
-                            yield TextDelta(piece)
-                        elif piece:
-                            pieces.append(piece)
-                    if pieces:
-                        text = pieces[0] if len(pieces) == 1 else "".join(pieces)
-                        text_parts.append(text)
-                        # Also before an error of the same read: the partial keeps it.
-                        yield TextDelta(text)
-                    if error is not None:
-                        raise error
-                if rest:
-                    for data in sse_payloads(rest + b"\n")[0]:
-                        piece, usage, finish_reason = _read_chunk(data, calls, usage, finish_reason)
+                async for raw in resp.aiter_raw():
+                    for data in decoder.decode(raw):
+                        pieces: list[str] = []
+                        error: ProviderError | None = None
+                        for event in lines.feed(data):
+                            piece = ""
+                            try:
+                                piece, usage, finish_reason, size = read_chunk(
+                                    event, calls, usage, finish_reason
+                                )
+                                if answer_bytes + size > bounds.answer_bytes:
+                                    # F3: the answer keeps what fits, and the turn ends.
+                                    piece = fitting(piece, bounds.answer_bytes - answer_bytes)
+                                    error = too_large(bounds.answer_bytes)
+                                answer_bytes += size
+                            except ProviderError as exc:
+                                error = exc
+                            if piece and first:
+                                # D1: the answer's first piece goes out alone, as soon as it
+                                # is parsed: not after the rest of its read (a model server
+                                # that sends its answer in one burst), and its first frame is
+                                # its first token.
+                                first = False
+                                text_parts.append(piece)
+                                yield TextDelta(piece)
+                            elif piece:
+                                pieces.append(piece)
+                            if error is not None:
+                                break
+                        if pieces:
+                            text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+                            text_parts.append(text)
+                            # Also before an error of the same read: the partial keeps it.
+                            yield TextDelta(text)
+                        if error is not None:
+                            raise error
+                for event in lines.finish():
+                    piece, usage, finish_reason, size = read_chunk(
+                        event, calls, usage, finish_reason
+                    )
+                    if answer_bytes + size > bounds.answer_bytes:
+                        piece = fitting(piece, bounds.answer_bytes - answer_bytes)
                         if piece:
                             text_parts.append(piece)
                             yield TextDelta(piece)
+                        raise too_large(bounds.answer_bytes)
+                    answer_bytes += size
+                    if piece:
+                        text_parts.append(piece)
+                        yield TextDelta(piece)
         except httpx.TimeoutException as exc:
             raise ProviderError("timeout", "the model server timed out") from exc
+        except MalformedResponse as exc:
+            # I3: bytes that are not HTTP/1.1 would be the same on a retry.
+            logger.warning("model server sent a malformed response: %s", scrub(str(exc)))
+            raise ProviderError("bad_response", "the model server sent a malformed answer") from exc
         except httpx.TransportError as exc:
             logger.warning("model server connection failed: %s", scrub(str(exc)))
             raise ProviderError("connection", "could not reach the model server") from exc
@@ -351,65 +431,6 @@ class OpenAIProvider:
             usage=usage,
             finish_reason=finish_reason,
         )
-
-
-def sse_payloads(data: bytes) -> tuple[list[bytes], bytes]:
-    """The `data:` payloads of the complete lines in `data` (server-sent events; lines end
-    with CRLF, LF or CR), and the incomplete last line to prepend to the next read."""
-    lines = data.splitlines()
-    rest = b""
-    if lines and not data.endswith((b"\n", b"\r")):
-        rest = lines.pop()
-    out = []
-    for line in lines:
-        if line.startswith(b"data:"):
-            payload = line[5:].strip()
-            if payload and payload != b"[DONE]":
-                out.append(payload)
-    return out, rest
-
-
-def _read_chunk(
-    data: bytes, calls: dict[int, dict[str, Any]], usage: dict[str, Any], finish_reason: str
-) -> tuple[str, dict[str, Any], str]:
-    """One streamed chunk: its text (if any), and the usage and finish reason so far; tool
-    call parts are added to `calls` by index."""
-    try:
-        # In C: a stream's every event passes here, on the event loop.
-        chunk = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        # What the json module reads and orjson refuses (NaN, a lone surrogate's escape, an
-        # integer past 64 bits, a byte order mark) is read as before.
-        try:
-            chunk = json.loads(data)
-        except ValueError as exc:
-            raise ProviderError("bad_response", "the model server sent malformed data") from exc
-    if not isinstance(chunk, dict):
-        raise ProviderError("bad_response", "the model server sent malformed data")
-    if chunk.get("error"):
-        raise classify_stream_error(chunk)
-    if chunk.get("usage"):
-        usage = chunk["usage"]
-    text = ""
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        piece = delta.get("content")
-        if piece:
-            text += piece
-        for tc in delta.get("tool_calls") or []:
-            slot = calls.setdefault(
-                int(tc.get("index", 0)), {"id": "", "name": "", "arguments": ""}
-            )
-            if tc.get("id"):
-                slot["id"] = tc["id"]
-            fn = tc.get("function") or {}
-            if fn.get("name"):
-                slot["name"] += fn["name"]
-            if fn.get("arguments"):
-                slot["arguments"] += fn["arguments"]
-        if choice.get("finish_reason"):
-            finish_reason = choice["finish_reason"]
-    return text, usage, finish_reason
 
 
 def provider_from_settings() -> ChatProvider:

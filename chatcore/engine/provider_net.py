@@ -27,7 +27,6 @@ which knows how to use it (`provider_transport`).
 from __future__ import annotations
 
 import asyncio
-import re
 import ssl
 import time
 import urllib.request
@@ -36,6 +35,16 @@ from collections.abc import AsyncIterator
 from typing import cast
 
 import httpx
+
+from .provider_http import (
+    MAX_HEAD,
+    NO_BODY_STATUSES,
+    ChunkedDecoder,
+    MalformedResponse,
+    parse_head,
+    request_body,
+    request_head,
+)
 
 # The most one read hands on: what one loop step parses at most (F7), as httpcore read.
 READ_BYTES = 64 * 1024
@@ -177,71 +186,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(TimeoutError())
 
 
-# The longest status line, header block or chunk-size line a model server may send.
-MAX_HEAD = 64 * 1024
-MAX_LINE = 4 * 1024
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_NO_BODY_STATUSES = frozenset({204, 304})
-
 Origin = tuple[str, str, int]  # scheme, host, port
-
-
-class ChunkedDecoder:
-    """`Transfer-Encoding: chunked`, incrementally: `feed` takes what arrived and returns the
-    data of every chunk in it at once, however many chunks one read holds (a server sends one
-    per event). Lines may end with CRLF or LF; extensions and trailers are skipped."""
-
-    SIZE, DATA, DATA_END, TRAILER, DONE = range(5)
-
-    def __init__(self) -> None:
-        self.state = self.SIZE
-        self._left = 0
-        self._buffer = b""
-
-    @property
-    def done(self) -> bool:
-        return self.state == self.DONE
-
-    @property
-    def leftover(self) -> bytes:
-        """Bytes after the last chunk's trailer (a server that sent more than its answer)."""
-        return self._buffer if self.done else b""
-
-    def feed(self, data: bytes) -> bytes:
-        buffer = self._buffer + data if self._buffer else data
-        size = len(buffer)
-        pos = 0
-        out: list[bytes] = []
-        while pos < size and self.state != self.DONE:
-            if self.state == self.DATA:
-                take = min(self._left, size - pos)
-                out.append(buffer[pos : pos + take])
-                pos += take
-                self._left -= take
-                if self._left == 0:
-                    self.state = self.DATA_END
-                continue
-            end = buffer.find(b"\n", pos)
-            if end < 0:
-                if size - pos > MAX_LINE:
-                    raise httpx.RemoteProtocolError("a chunk line of the model server is too long")
-                break
-            line = buffer[pos:end].rstrip(b"\r")
-            pos = end + 1
-            if self.state == self.DATA_END:
-                if line:
-                    raise httpx.RemoteProtocolError("a chunk of the model server overran its size")
-                self.state = self.SIZE
-            elif self.state == self.SIZE:
-                digits = line.split(b";", 1)[0].strip()
-                if not _HEX.fullmatch(digits):
-                    raise httpx.RemoteProtocolError("the model server sent a malformed chunk size")
-                self._left = int(digits, 16)
-                self.state = self.DATA if self._left else self.TRAILER
-            elif not line:  # TRAILER: its empty line ends the body
-                self.state = self.DONE
-        self._buffer = buffer[pos:]
-        return out[0] if len(out) == 1 else b"".join(out)
 
 
 class _Connection:
@@ -400,7 +345,7 @@ class ModelTransport(httpx.AsyncBaseTransport):
         )
         try:
             await conn.write(
-                _request_head(request) + await _request_body(request),
+                request_head(request) + await request_body(request),
                 timeouts.get("write"),
                 request,
             )
@@ -417,7 +362,7 @@ class ModelTransport(httpx.AsyncBaseTransport):
             end = buffer.find(b"\r\n\r\n")
             if end < 0:
                 if len(buffer) > MAX_HEAD:
-                    raise httpx.RemoteProtocolError(
+                    raise MalformedResponse(
                         "the model server's response head is too long", request=request
                     )
                 data = await conn.read(timeout, request)
@@ -428,7 +373,7 @@ class ModelTransport(httpx.AsyncBaseTransport):
                     )
                 buffer += data
                 continue
-            version, status, reason, headers = _parse_head(buffer[:end], request)
+            version, status, reason, headers = parse_head(buffer[:end], request)
             buffer = buffer[end + 4 :]
             if 100 <= status < 200 and status != 101:
                 continue  # an informational response: the real one follows
@@ -443,12 +388,13 @@ class ModelTransport(httpx.AsyncBaseTransport):
         codings = b",".join(fields.get(b"transfer-encoding", []))
         chunked = codings.rsplit(b",", 1)[-1].strip() == b"chunked"
         length: int | None = None
-        if request.method == "HEAD" or status in _NO_BODY_STATUSES or status < 200:
-            length, chunked = 0, False
+        if request.method == "HEAD" or status in NO_BODY_STATUSES or status < 200:
+            # A 101 switched the connection to another protocol: never reused (I3).
+            length, chunked, keep = 0, False, keep and status >= 200
         elif not chunked and b"content-length" in fields:
             values = {v.strip() for v in b",".join(fields[b"content-length"]).split(b",")}
             if len(values) != 1 or not next(iter(values)).isdigit():
-                raise httpx.RemoteProtocolError(
+                raise MalformedResponse(
                     "the model server sent a malformed Content-Length", request=request
                 )
             length = int(next(iter(values)))
@@ -513,40 +459,6 @@ class ModelTransport(httpx.AsyncBaseTransport):
         for idle in self._idle.values():
             while idle:
                 idle.pop().close()
-
-
-def _request_head(request: httpx.Request) -> bytes:
-    lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
-    lines += [name + b": " + value for name, value in request.headers.raw]
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-async def _request_body(request: httpx.Request) -> bytes:
-    body = b"".join([part async for part in request.stream])  # type: ignore[union-attr]
-    if request.headers.get("transfer-encoding", "").lower() == "chunked":
-        return (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
-    return body
-
-
-def _parse_head(
-    head: bytes, request: httpx.Request
-) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]]]:
-    lines = head.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    status, _, reason = rest.partition(b" ")
-    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(status) != 3 or not status.isdigit():
-        raise httpx.RemoteProtocolError(
-            "the model server sent a malformed status line", request=request
-        )
-    headers = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip():
-            raise httpx.RemoteProtocolError(
-                "the model server sent a malformed header", request=request
-            )
-        headers.append((name, value.strip()))
-    return version, int(status), reason, headers
 
 
 def environment_proxy(url: str) -> bool:

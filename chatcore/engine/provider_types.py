@@ -162,6 +162,7 @@ class ChatProvider(Protocol):
         tools: list[dict[str, Any]] | None = None,
         purpose: str = "turn",
         max_tokens: int | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]: ...
 
     async def aclose(self) -> None: ...

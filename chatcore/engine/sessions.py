@@ -68,12 +68,14 @@ def dialog_create(
     dialog_id: str | None = None,
     title: str | None = None,
     states: SessionStates | None = None,
+    model: str = "",
 ) -> Session:
     """A new dialog (B2, `services.session_create`), held in `states` from its start: its
     first turn reads none of its history (G6; in a burst of new dialogs' first sends, that
-    read was a round trip each on the database threads before their first tokens)."""
+    read was a round trip each on the database threads before their first tokens).
+    `model`: the dialog's model (H4; "" = the default)."""
     session, messages = services.session_create_with_history(
-        owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id, title=title
+        owner=owner, channel=channel, chat_id=chat_id, dialog_id=dialog_id, title=title, model=model
     )
     if states is not None:
         states.adopt_created(session, messages)

@@ -1,9 +1,10 @@
-"""The operators' admin (SPEC E2): dialogs (`dialogs.py`); messages, turns and memory notes
-(`records.py`); API tokens (`tokens.py`); chat-app accounts and chats register theirs in
-`sessions_app/chatapps/admin.py`.
+"""The operators' admin (SPEC E2, H5): dialogs (`dialogs.py`); messages, turns and memory
+notes (`records.py`); API tokens (`tokens.py`); users, whose flag changes are audited
+(`users.py`); the "Audit trail" link of those pages (`history.py`). Chat-app accounts and
+chats register theirs in `sessions_app/chatapps/admin.py`.
 """
 
 from ..chatapps import admin as chatapps_admin
-from . import dialogs, records, tokens
+from . import dialogs, records, tokens, users
 
-__all__ = ["chatapps_admin", "dialogs", "records", "tokens"]
+__all__ = ["chatapps_admin", "dialogs", "records", "tokens", "users"]

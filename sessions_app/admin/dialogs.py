@@ -9,33 +9,39 @@ any other delete does (C9).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from asgiref.sync import async_to_sync
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.contrib.auth.models import User
 from django.core.exceptions import ValidationError
 from django.core.paginator import Page, Paginator
+from django.db import transaction
 from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
-from django.template.defaultfilters import linebreaksbr
 from django.template.response import TemplateResponse
 from django.urls import reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.http import urlencode
-from django.utils.text import Truncator
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
+from audit.trail import Action, audit_dialog
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
 from .. import branches, services
 from ..models import Message, Session, TitleSource, Turn
+from .display import message_preview
+from .history import AuditHistoryMixin, ViewRecordedMixin, admin_actor
+from .settings import (
+    DIALOG_SETTINGS_FIELDSET,
+    DialogSettingsAdminMixin,
+    DialogSettingsFormMixin,
+)
 
 # E2: a dialog can hold thousands of messages; the change page shows them a page at a time.
 MESSAGE_PAGE_SIZE = 100
@@ -120,14 +126,15 @@ class MessageInline(admin.TabularInline):
 
     @admin.display(description=_("content"))
     def content_preview(self, obj: Message) -> str:
-        # Long answers are cut here; the message's own page shows all of it.
-        return linebreaksbr(Truncator(obj.content).chars(INLINE_CONTENT_CHARS), autoescape=True)
+        # Long answers are cut here; the message's own page shows all of it. An answer that
+        # only calls tools shows its calls (H5 polish).
+        return message_preview(obj, INLINE_CONTENT_CHARS)
 
 
-class SessionAdminForm(forms.ModelForm):
+class SessionAdminForm(DialogSettingsFormMixin, forms.ModelForm):
     class Meta:
         model = Session
-        fields = ("title",)
+        fields = ("title", "model", "system_prompt")
 
     def clean_title(self) -> str:
         # The same rules as a rename from the web chat (B4), reported as a form error.
@@ -138,8 +145,11 @@ class SessionAdminForm(forms.ModelForm):
 
 
 @admin.register(Session)
-class SessionAdmin(admin.ModelAdmin):
+class SessionAdmin(
+    DialogSettingsAdminMixin, ViewRecordedMixin, AuditHistoryMixin, admin.ModelAdmin
+):
     form = SessionAdminForm
+    audit_target_type = "dialog"
     inlines = (MessageInline,)
     list_display = (
         "session_id_display",
@@ -193,6 +203,7 @@ class SessionAdmin(admin.ModelAdmin):
                 )
             },
         ),
+        DIALOG_SETTINGS_FIELDSET,
         (
             _("Engine state"),
             {
@@ -227,6 +238,7 @@ class SessionAdmin(admin.ModelAdmin):
         "lease_owner",
         "lease_expires_at",
         "plan",
+        "usage_display",
     )
 
     @admin.display(description=_("session id"))
@@ -280,10 +292,15 @@ class SessionAdmin(admin.ModelAdmin):
         if change and "title" in form.changed_data:
             try:
                 services.session_rename(
-                    session=obj, title=form.cleaned_data["title"], source=TitleSource.OPERATOR
+                    session=obj,
+                    title=form.cleaned_data["title"],
+                    source=TitleSource.OPERATOR,
+                    actor=admin_actor(request),
                 )
             except ChatError as exc:
                 self.message_user(request, exc.message, level=messages.ERROR)
+        if change:
+            self.save_dialog_settings(request, obj, form)
 
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         # The message inline is read-only; nothing of a dialog's history is written here.
@@ -296,11 +313,17 @@ class SessionAdmin(admin.ModelAdmin):
         return super().construct_change_message(request, form, [], add)
 
     def delete_model(self, request: HttpRequest, obj: Session) -> None:
-        services.session_purge(session=obj)
+        services.session_purge(session=obj, actor=admin_actor(request))
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Session]) -> None:
         for session in queryset:
-            services.session_purge(session=session)
+            services.session_purge(session=session, actor=admin_actor(request))
+
+    def viewed_dialog(self, obj: Session) -> Session:
+        return obj
+
+    def view_details(self, request: HttpRequest, obj: Session) -> dict[str, Any]:
+        return {"messages_page": request.GET.get(MESSAGE_PAGE_PARAM) or "1"}
 
     def get_deleted_objects(self, objs: Any, request: HttpRequest) -> tuple[Any, ...]:
         # Purging cascades in the database (A7). Listing every message would make the page
@@ -322,9 +345,7 @@ class SessionAdmin(admin.ModelAdmin):
         for session in queryset.filter(deleted_at__isnull=True):
             try:
                 # C9: the one delete; it ends a running turn, wherever it runs, as stale.
-                async_to_sync(delete_dialog)(
-                    engine=None, session=session, by=cast(User, request.user)
-                )
+                async_to_sync(delete_dialog)(engine=None, session=session, by=admin_actor(request))
             except ChatError as exc:
                 self._report_failure(request, session, exc)
                 continue
@@ -343,7 +364,7 @@ class SessionAdmin(admin.ModelAdmin):
 
         done = 0
         for session in queryset.filter(deleted_at__isnull=True):
-            services.title_reset(session=session)
+            services.title_reset(session=session, actor=admin_actor(request))
             background.request_title(session_pk=session.pk)
             done += 1
         self.message_user(
@@ -364,6 +385,10 @@ class SessionAdmin(admin.ModelAdmin):
 
         done = 0
         for session in queryset.filter(deleted_at__isnull=True):
+            with transaction.atomic():  # H5: the operator's request is recorded
+                audit_dialog(
+                    actor=admin_actor(request), action=Action.DIALOG_COMPACT, session=session
+                )
             background.request_compaction(session_pk=session.pk, manual=True)
             done += 1
         self.message_user(
@@ -382,7 +407,7 @@ class SessionAdmin(admin.ModelAdmin):
         done = 0
         for session in queryset.filter(deleted_at__isnull=False):
             try:
-                services.session_restore(session=session)
+                services.session_restore(session=session, actor=admin_actor(request))
             except ChatError as exc:
                 # A7: a live dialog has taken the id; the operator resolves it by hand.
                 self._report_failure(request, session, exc)
@@ -417,7 +442,7 @@ class SessionAdmin(admin.ModelAdmin):
         done = 0
         for session in queryset:
             try:
-                services.session_purge(session=session)
+                services.session_purge(session=session, actor=admin_actor(request))
             except ChatError as exc:
                 self._report_failure(request, session, exc)
                 continue

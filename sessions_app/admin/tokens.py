@@ -13,13 +13,15 @@ from django.utils.translation import gettext_lazy as _
 
 from .. import services
 from ..models import ApiToken
+from .history import AuditHistoryMixin, admin_actor
 
 
 @admin.register(ApiToken)
-class ApiTokenAdmin(admin.ModelAdmin):
+class ApiTokenAdmin(AuditHistoryMixin, admin.ModelAdmin):
     """F2: tokens are issued here or by a management command; only a hash is stored, so the
     key is shown once, right after it is issued."""
 
+    audit_target_type = "token"
     list_display = ("user", "name", "prefix", "created_at", "last_used_at", "is_revoked")
     list_select_related = ("user",)
     list_filter = (("revoked_at", admin.EmptyFieldListFilter),)
@@ -60,7 +62,9 @@ class ApiTokenAdmin(admin.ModelAdmin):
             # Nothing is editable, and a save() would write back a stale revoked_at.
             return
         token, raw = services.api_token_issue(
-            user=form.cleaned_data["user"], name=form.cleaned_data.get("name") or ""
+            user=form.cleaned_data["user"],
+            name=form.cleaned_data.get("name") or "",
+            actor=admin_actor(request),
         )
         # The admin logs and redirects to `obj`, so it becomes the issued row.
         for field in ApiToken._meta.concrete_fields:
@@ -80,7 +84,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     def revoke_selected(self, request: HttpRequest, queryset: QuerySet[ApiToken]) -> None:
         done = 0
         for token in queryset.filter(revoked_at__isnull=True):
-            services.api_token_revoke(token=token)
+            services.api_token_revoke(token=token, actor=admin_actor(request))
             done += 1
         self.message_user(
             request,

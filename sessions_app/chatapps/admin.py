@@ -9,13 +9,16 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
+from audit.trail import Actor
 from sessions_app.models import ChannelAccount, ChannelChat
 
+from ..admin.history import AuditHistoryMixin
 from . import store
 
 
 @admin.register(ChannelAccount)
-class ChannelAccountAdmin(admin.ModelAdmin):
+class ChannelAccountAdmin(AuditHistoryMixin, admin.ModelAdmin):
+    audit_target_type = "chat_account"
     list_display = ("channel", "external_id", "display_name", "user", "writable", "last_seen_at")
     list_filter = ("channel", "writable")
     search_fields = ("external_id", "display_name", "user__username")
@@ -45,7 +48,12 @@ class ChannelAccountAdmin(admin.ModelAdmin):
     def save_model(
         self, request: HttpRequest, obj: ChannelAccount, form: Any, change: bool
     ) -> None:
-        store.account_link(account=obj, user=obj.user, writable=obj.writable)
+        store.account_link(
+            account=obj,
+            user=obj.user,
+            writable=obj.writable,
+            actor=Actor.of_request(request, via="admin"),
+        )
 
 
 @admin.register(ChannelChat)

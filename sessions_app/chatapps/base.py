@@ -30,6 +30,7 @@ from django.db import DatabaseError
 from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
+from audit.trail import Actor
 from chatcore.common.dbthreads import on_db
 from chatcore.common.errors import ChatError, InternalError, StorageError
 from chatcore.engine import commands
@@ -280,6 +281,7 @@ async def _handle(
                 chat_id=message.chat_id,
                 current=ctx.current,
                 engine=engine,
+                actor=Actor.of_user(ctx.owner, via=message.channel),
             )
             # B3: refused during shutdown like a send (the same path as the web chat's).
             result = await run_command(engine, cmd, text)

@@ -34,6 +34,7 @@ from chatcore.engine.engine import Engine
 
 from . import store
 from .base import (
+    EVENT_KEEP,
     Adapter,
     IncomingMessage,
     PlatformClient,
@@ -43,6 +44,7 @@ from .base import (
     handle_incoming,
     settle_event,
 )
+from .events import Malformed, feishu_envelope, load_json
 from .render import feishu_markdown
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ CHANNEL = "feishu"
 MESSAGE_LIMIT = 8000
 _RATE_LIMITED = {99991400}
 _NOT_FOUND = {230002, 230011, 231003}
+# How old a signed callback may be (seconds) unless FEISHU_MAX_REQUEST_AGE_SECONDS says.
+MAX_REQUEST_AGE = 300
 # tenant_access_token per (API base, app id): (token, monotonic expiry).
 _tokens: dict[tuple[str, str], tuple[str, float]] = {}
 
@@ -186,13 +190,16 @@ class FeishuSink(StreamingSink):
 
 
 def open_callback(body: bytes, headers: dict[str, str]) -> dict[str, Any]:
-    """Check and decrypt a callback body. Raises `CallbackRefused`; changes nothing."""
+    """Check and decrypt a callback body. Raises `CallbackRefused`; changes nothing. The
+    signature and token are compared as bytes (whatever characters a forger sends), a
+    signed request older than FEISHU `MAX_REQUEST_AGE_SECONDS` is refused (a replay), and
+    the fields the checks read are checked first (`events`)."""
     cfg = config()
     key = cfg["ENCRYPT_KEY"]
     try:
-        outer = json.loads(body)
-    except ValueError as exc:
-        raise CallbackRefused("the body is not JSON", status=400) from exc
+        outer = load_json(body)
+    except Malformed as exc:
+        raise CallbackRefused(str(exc), status=400) from exc
     if not isinstance(outer, dict):
         raise CallbackRefused("the body is not a JSON object", status=400)
     signature = headers.get("x-lark-signature")
@@ -200,33 +207,58 @@ def open_callback(body: bytes, headers: dict[str, str]) -> dict[str, Any]:
         timestamp = headers.get("x-lark-request-timestamp", "")
         nonce = headers.get("x-lark-request-nonce", "")
         expected = hashlib.sha256((timestamp + nonce + key).encode() + body).hexdigest()
-        if not hmac.compare_digest(signature, expected):
+        if not hmac.compare_digest(signature.encode(), expected.encode()):
             raise CallbackRefused("signature check failed")
+        if not _fresh(timestamp, cfg.get("MAX_REQUEST_AGE_SECONDS", MAX_REQUEST_AGE)):
+            raise CallbackRefused("the request is too old (X-Lark-Request-Timestamp)")
     if "encrypt" in outer:
         if not key:
             raise CallbackRefused("encrypted callback but FEISHU_ENCRYPT_KEY is not set")
         from lark_oapi.core.utils import AESCipher
 
         try:
-            data = json.loads(AESCipher(key).decrypt_str(str(outer["encrypt"])))
+            data = load_json(AESCipher(key).decrypt_str(str(outer["encrypt"])).encode())
         except Exception as exc:
             raise CallbackRefused("the body could not be decrypted", status=400) from exc
     else:
         data = outer
-    if not isinstance(data, dict):
-        raise CallbackRefused("the event is not a JSON object", status=400)
-    if key and signature is None and data.get("type") != "url_verification":
+    try:
+        envelope = feishu_envelope(data)
+    except Malformed as exc:
+        raise CallbackRefused(str(exc), status=400) from exc
+    if key and signature is None and envelope.get("type") != "url_verification":
         # Feishu signs every event when an encrypt key is set; only the URL verification
         # of the app's configuration page comes without the headers.
         raise CallbackRefused("signature missing")
-    token = data.get("token") if "token" in data else (data.get("header") or {}).get("token")
+    token = envelope.get("token") if "token" in data else envelope.get("header", {}).get("token")
     expected_token = cfg["VERIFICATION_TOKEN"]
     if expected_token:
-        if not isinstance(token, str) or not hmac.compare_digest(token, expected_token):
+        if token is None or not hmac.compare_digest(token.encode(), expected_token.encode()):
             raise CallbackRefused("verification token mismatch")
     elif not key:
         raise CallbackRefused("set FEISHU_VERIFICATION_TOKEN or FEISHU_ENCRYPT_KEY")
+    if not _recent_event(envelope.get("header", {}).get("create_time")):
+        # Signed or not: an event older than its id is remembered would be handled again.
+        raise CallbackRefused("the event is older than its id is remembered (a replay)")
     return data
+
+
+def _recent_event(create_time: str | None) -> bool:
+    """Whether an event's `create_time` (milliseconds) is within the days its id is kept
+    for de-duplication (less an hour), and not more than an hour ahead."""
+    if create_time is None:
+        return True  # a url_verification carries none
+    if not create_time.isascii() or not create_time.isdigit() or len(create_time) > 15:
+        return False
+    age = time.time() - int(create_time) / 1000
+    return -3600 <= age <= EVENT_KEEP.total_seconds() - 3600
+
+
+def _fresh(timestamp: str, max_age: int) -> bool:
+    """Whether a request's `X-Lark-Request-Timestamp` (seconds) is within `max_age` of now."""
+    if not timestamp.isascii() or not timestamp.isdigit() or len(timestamp) > 12:
+        return False
+    return abs(time.time() - int(timestamp)) <= max_age
 
 
 class FeishuAdapter(Adapter):
@@ -256,9 +288,13 @@ class FeishuAdapter(Adapter):
         if sender.get("sender_type") not in (None, "user") or message.get("message_type") != "text":
             return None
         try:
-            text = str(json.loads(message.get("content") or "{}").get("text", ""))
-        except ValueError:
+            # Checked to be a JSON object (`events.feishu_event`); orjson bounds its nesting.
+            content = load_json((message.get("content") or "{}").encode())
+        except Malformed:
             return None
+        if not isinstance(content, dict):
+            return None
+        text = str(content.get("text", ""))
         chat_id = message.get("chat_id")
         sender_id = (sender.get("sender_id") or {}).get("open_id")
         if not chat_id or not sender_id or not message.get("message_id"):
@@ -288,6 +324,7 @@ class FeishuAdapter(Adapter):
         )
 
     async def handle_event(self, event: dict[str, Any]) -> str:
+        """One checked event (`events.feishu_event`), exactly once by its event_id."""
         header = event.get("header") or {}
         event_id = header.get("event_id")
         if not isinstance(event_id, str) or not event_id:

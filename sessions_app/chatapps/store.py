@@ -19,6 +19,7 @@ from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.trail import Actor, audit_account_link
 from chatcore.common.errors import NotFound
 from chatcore.common.ids import validate_part
 from chatcore.engine.sessions import resolve_dialog
@@ -216,11 +217,16 @@ def chat_set_current(*, chat: ChannelChat, dialog_id: str) -> None:
         chat.current_dialog_id = dialog_id
 
 
-def account_link(*, account: ChannelAccount, user: User | None, writable: bool) -> ChannelAccount:
+def account_link(
+    *, account: ChannelAccount, user: User | None, writable: bool, actor: Actor | None = None
+) -> ChannelAccount:
     """An operator links an account to a web user (or unlinks it with None): the dialogs of
-    the chats this account connected move to its new identity."""
+    the chats this account connected move to its new identity. `actor` is recorded (H5)."""
     with transaction.atomic():
         locked = ChannelAccount.objects.select_for_update().get(pk=account.pk)
+        audit_account_link(
+            actor=actor, account=locked, old_user=locked.user, user=user, writable=writable
+        )
         locked.user = user
         locked.writable = writable
         locked.save(update_fields=["user", "writable"])

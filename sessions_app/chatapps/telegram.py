@@ -40,6 +40,7 @@ from .base import (
     handle_incoming,
     settle_event,
 )
+from .events import Malformed, telegram_update
 from .render import telegram_html
 
 logger = logging.getLogger(__name__)
@@ -210,10 +211,13 @@ class TelegramAdapter(Adapter):
 
     async def handle_update(self, update: dict[str, Any]) -> str:
         """One update, exactly once: its update_id is taken durably first and marked handled
-        with the work it causes ("retry": nothing was stored, deliver it again)."""
-        update_id = update.get("update_id")
-        if not isinstance(update_id, int):
+        with the work it causes ("retry": nothing was stored, deliver it again). Its fields
+        are checked first (`events`): a malformed update is "invalid" and claims nothing."""
+        try:
+            update = telegram_update(update)
+        except Malformed:
             return "invalid"
+        update_id = update["update_id"]
         claim = await on_db(store.event_take)(channel=CHANNEL, event_id=str(update_id))
         if claim is None:
             return "duplicate"
@@ -278,7 +282,7 @@ async def poll(engine: Engine, *, stop: asyncio.Event, timeout: int | None = Non
                     # Not stored: confirm nothing from here on, so getUpdates brings it again.
                     await asyncio.sleep(1)
                     break
-                if isinstance(update.get("update_id"), int):
+                if isinstance(update, dict) and isinstance(update.get("update_id"), int):
                     offset = max(offset or 0, update["update_id"] + 1)
                 handled += 1
     finally:

@@ -1,10 +1,10 @@
 """Inbound routes of the chat apps (PROTOCOL "Chat apps"). Thin (STYLE 1): check the
-platform's secret, parse, hand the update to its adapter. A refused request changes
-nothing; a platform that is not configured is not found."""
+platform's secret, check the body's shape (`events`), hand the update to its adapter. A
+refused request (403, or 400 for a malformed body) changes nothing; a platform that is not
+configured is not found."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -13,7 +13,7 @@ from django.views.decorators.http import require_POST
 
 from chatcore.engine import runtime
 
-from . import feishu, telegram
+from . import events, feishu, telegram
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +26,11 @@ async def telegram_webhook(request: HttpRequest) -> HttpResponse:
     if not telegram.secret_ok(request.headers.get("X-Telegram-Bot-Api-Secret-Token")):
         return JsonResponse({"error": "bad secret token"}, status=403)
     try:
-        update = json.loads(request.body)
-    except ValueError:
-        return JsonResponse({"error": "the body is not JSON"}, status=400)
-    if not isinstance(update, dict):
-        return JsonResponse({"error": "an update is a JSON object"}, status=400)
+        # I3: every field the adapter reads is checked before anything is claimed or stored.
+        update = events.telegram_update(events.load_json(request.body))
+    except events.Malformed as exc:
+        logger.warning("telegram update refused: %s", exc)
+        return JsonResponse({"error": str(exc)}, status=400)
     engine = await runtime.get_engine()
     adapter = await telegram.telegram_adapter(engine)
     return _answer(await adapter.handle_update(update))
@@ -49,6 +49,12 @@ async def feishu_events(request: HttpRequest) -> HttpResponse:
         return JsonResponse({"error": str(exc)}, status=exc.status)
     if event.get("type") == "url_verification":
         return JsonResponse({"challenge": event.get("challenge", "")})
+    try:
+        # I3: every field the adapter reads is checked before anything is claimed or stored.
+        event = events.feishu_event(event)
+    except events.Malformed as exc:
+        logger.warning("feishu callback refused: %s", exc)
+        return JsonResponse({"error": str(exc)}, status=400)
     engine = await runtime.get_engine()
     adapter = await feishu.feishu_adapter(engine)
     return _answer(await adapter.handle_event(event))

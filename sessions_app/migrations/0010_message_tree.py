@@ -20,29 +20,29 @@ FILL_HEADS = (
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0009_ids_from_blocks_of_randomness"),
+        ("sessions_app", "0014_audit"),
     ]
 
     operations = [
         migrations.AddField(
             model_name="message",
             name="parent_seq",
-            field=models.BigIntegerField(blank=True, null=True),
+            field=models.BigIntegerField(blank=True, null=True, verbose_name="parent seq"),
         ),
         migrations.AddField(
             model_name="session",
             name="head_seq",
-            field=models.BigIntegerField(default=0),
+            field=models.BigIntegerField(default=0, verbose_name="head seq"),
         ),
         migrations.AddField(
             model_name="session",
             name="forked",
-            field=models.BooleanField(default=False),
+            field=models.BooleanField(default=False, verbose_name="forked"),
         ),
         migrations.AddField(
             model_name="session",
             name="forks",
-            field=models.JSONField(blank=True, default=dict),
+            field=models.JSONField(blank=True, default=dict, verbose_name="forks"),
         ),
         migrations.AlterField(
             model_name="turn",
@@ -57,6 +57,7 @@ class Migration(migrations.Migration):
                 ],
                 default="send",
                 max_length=10,
+                verbose_name="mode",
             ),
         ),
         migrations.RunSQL(FILL_PARENTS, reverse_sql=migrations.RunSQL.noop),

@@ -13,6 +13,7 @@
  *   composer.js   send / stop / queued chips / read-only note
  *   header.js     title and rename, connection status, address
  *   sidebar.js    the dialog list, its menu, the phone slide-over
+ *   settings.js   the dialog's model picker, settings panel and token usage (H4)
  *   frames.js     what each server frame does to the page
  *
  * The server owns all state; this page mirrors it. The socket reconnects with exponential
@@ -24,6 +25,7 @@ import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
 import { onScroll } from "./render.js";
+import { bindSettings } from "./settings.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
 import { hasSocket, reconnectNow, start } from "./transport.js";
@@ -57,6 +59,7 @@ function init() {
   document.addEventListener("keydown", onEscape);
   bindSidebar();
   bindHeader();
+  bindSettings();
   $("reconnect-now").addEventListener("click", reconnectNow);
   $("jump-latest").addEventListener("click", function () {
     var s = $("transcript");

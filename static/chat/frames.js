@@ -29,6 +29,7 @@ import {
   showTurnNote,
   updateEmpty,
 } from "./render.js";
+import { settingsFrame } from "./settings.js";
 import { closeSidebar, openLinked, renderSidebar } from "./sidebar.js";
 import { history, store } from "./state.js";
 import { isStreaming, removeStreaming, showStreaming } from "./stream.js";
@@ -70,6 +71,7 @@ export function handleFrame(frame) {
     default:
       break; // unknown frames are ignored (PROTOCOL: clients ignore what they do not know)
   }
+  settingsFrame(frame); // H4: the model picker and settings panel follow the open dialog
 }
 
 /** The socket closed: what was on its way is lost; remember the dialog to come back to. */

@@ -32,6 +32,7 @@ from typing import Any
 from django.conf import settings
 
 from chatcore.common.dbthreads import on_db
+from chatcore.common.llm_models import context_window as model_window
 from sessions_app import selectors, services
 from sessions_app.models import Compaction, Message, MessageKind, Session
 
@@ -91,6 +92,9 @@ class PreparedInput:
     estimated_tokens: int
     dropped_for_budget: int = 0
     compacted_through: int = 0
+    # H4: the dialog's model (None: the provider's default) and that model's window.
+    model: str | None = None
+    context_window: int = 0
 
 
 def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
@@ -468,6 +472,13 @@ class TurnInputBuilder:
             self._counter = counter_for_model(settings.LLM["MODEL"])
         return self._counter
 
+    def window_of(self, session: Session) -> int:
+        """H4: the context window of the dialog's model (`LLM_CONTEXT_WINDOWS`), else this
+        builder's."""
+        name = session.model or settings.LLM["MODEL"]
+        windows = settings.LLM.get("CONTEXT_WINDOWS") or {}
+        return model_window(name) if name in windows else self.context_window
+
     async def prepare(
         self,
         *,
@@ -545,10 +556,11 @@ class TurnInputBuilder:
         in one statement, beside the dialog row the claim read; F7: then the conversion,
         counting and trimming, which grow with the dialog: all in one trip to that thread."""
         ratio = budget_ratio or settings.CHAT["COMPACTION_BUDGET_RATIO"]
-        budget = int(self.context_window * ratio)
         row, history, compaction, skipped, notes = self._load_context(
             session_pk, session, found, appended
         )
+        window = self.window_of(row)
+        budget = int(window * ratio)
         prepared = self.assemble(
             session=row,
             history=history,
@@ -562,6 +574,7 @@ class TurnInputBuilder:
         )
         # Messages outside the read window were left out for the budget too.
         prepared.dropped_for_budget += skipped
+        prepared.model, prepared.context_window = row.model or None, window
         # F7: the request body's JSON, here rather than on the event loop; a message seen
         # before keeps its own, so this encodes only what is new since, and the window's
         # messages are joined here once (`EncodedMessages`).
@@ -607,14 +620,14 @@ class TurnInputBuilder:
             found = selectors.turn_context(
                 session_pk=session_pk,
                 owner_id=session.owner_id,
-                max_chars=self.context_window * WINDOW_CHARS_PER_TOKEN,
+                max_chars=self.window_of(session) * WINDOW_CHARS_PER_TOKEN,
             )
         # F7: only the newest messages that could fit the model's window at all are read;
         # a dialog longer than that costs one running sum, not one row per message, and
         # the same statement counted those it leaves out.
         skipped = found.skipped
         if session.forked:  # H1: the active path only (`turns/paths.py`)
-            chars = self.context_window * WINDOW_CHARS_PER_TOKEN
+            chars = self.window_of(session) * WINDOW_CHARS_PER_TOKEN
             return session, *forked_context(self.states, session, appended, chars), found.notes
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
@@ -641,6 +654,9 @@ class TurnInputBuilder:
         system = self.system_prompt
         if self.skills:
             system += "\n\n# Skills\n" + self.skills
+        if session.system_prompt:
+            # H4: the dialog's own instructions, after the platform's (counted with the head).
+            system += "\n\n# Instructions for this dialog\n" + session.system_prompt
         if notes:
             system += "\n\n# Memory notes about the user\n" + "\n".join(f"- {n}" for n in notes)
         if plan:

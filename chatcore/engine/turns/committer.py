@@ -143,7 +143,7 @@ class _Plan:
                 None,
                 notice,
                 messages,
-                {"usage": outcome.usage},
+                {"usage": outcome.usage, "model": outcome.model},
             )
         if isinstance(outcome, Cancelled):
             _keep_partial(messages, outcome.partial, MessageStatus.CANCELLED)

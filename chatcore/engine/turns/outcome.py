@@ -20,6 +20,8 @@ class FailureKind(StrEnum):
     INTERRUPTED = "interrupted"
     # F7: the turn ran past CHAT["TURN_DEADLINE_SECONDS"].
     TIMEOUT = "timeout"
+    # F3: the answer grew past CHAT["ANSWER_MAX_BYTES"]; what fit is kept.
+    TOO_LARGE = "too_large"
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Completed:
     messages: list[PendingMessage]
     usage: dict[str, Any] = field(default_factory=dict)
     notice: str = ""
+    # H4: the model the turn asked.
+    model: str = ""
 
 
 @dataclass
@@ -113,6 +117,9 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
         ),
         FailureKind.TIMEOUT: _(
             "The answer took too long and was stopped. Please retry, or ask for something shorter."
+        ),
+        FailureKind.TOO_LARGE: _(
+            "The answer grew too long and was stopped. Please ask for something shorter."
         ),
     }.get(FailureKind(kind), _("Something went wrong. Please retry."))
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
+from chatcore.common.llm_models import DEMO_MODEL
 from sessions_app.models import MessageKind, MessageStatus
 
 from ..provider_errors import answer_token_limit, merge_usage
@@ -115,6 +116,8 @@ class FirstRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     max_tokens: int
+    # H4: the dialog's model (None: the provider's own).
+    model: str | None = None
 
     @classmethod
     def of(
@@ -130,10 +133,11 @@ class FirstRequest:
             messages=prepared.messages.copy(),  # its join kept (`EncodedMessages`)
             tools=None if max_steps <= 1 else (tools.schemas() or None),
             max_tokens=answer_token_limit(
-                context_window=builder.context_window,
+                context_window=prepared.context_window or builder.context_window,
                 input_tokens=prepared.estimated_tokens,
                 configured=settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens,
             ),
+            model=prepared.model,
         )
 
 
@@ -168,6 +172,7 @@ class OpenedRequest:
             tools=request.tools,
             purpose="turn",
             max_tokens=request.max_tokens,
+            model=request.model,
             **made,
         )
         self._first: asyncio.Task[Any] = asyncio.ensure_future(anext(self._stream, _ENDED))
@@ -243,6 +248,9 @@ class TurnRunner:
         self.lead = list(lead or [])
         self.answer_tokens = settings.LLM["MAX_TOKENS"] if answer_tokens is None else answer_tokens
         self.input_tokens = 0
+        # H4: the dialog's model and its window, from the turn's input (`_run`).
+        self.model: str | None = None
+        self.context_window = builder.context_window
         # Model input recorded during the turn (tool calls, results, steers) and not yet in
         # `input_tokens`: counted when a next request needs it, off the loop (F7).
         self._uncounted: list[dict[str, Any]] = []
@@ -282,11 +290,14 @@ class TurnRunner:
         )
         messages = first.messages
         self.input_tokens = prepared.estimated_tokens
+        self.model = prepared.model
+        self.context_window = prepared.context_window or self.builder.context_window
         self._uncounted.clear()
         opened = self.opened
         if opened is not None and (
             opened.prepared is not prepared
-            or (opened.request.tools, opened.request.max_tokens) != (first.tools, first.max_tokens)
+            or (opened.request.tools, opened.request.max_tokens, opened.request.model)
+            != (first.tools, first.max_tokens, first.model)
         ):
             # Opened for other input or with other limits: not this turn's first request.
             await opened.aclose()
@@ -319,7 +330,7 @@ class TurnRunner:
                     # E5: a filter that speaks as an error ends the answer like a filter stop.
                     return self._cut_answer(self.step_text, MessageStatus.FILTERED)
                 return Failed(
-                    FailureKind.PROVIDER,
+                    FailureKind.TOO_LARGE if exc.kind == "too_large" else FailureKind.PROVIDER,
                     detail=str(exc),
                     messages=self.pending,
                     partial=self.step_text,
@@ -378,6 +389,7 @@ class TurnRunner:
                 messages=self.pending,
                 usage=self.usage,
                 notice=Notice.EMPTY if empty_answer else "",
+                model=self.asked_model(),
             )
 
     def _answer(self, text: str, status: str = "") -> PendingMessage:
@@ -398,11 +410,16 @@ class TurnRunner:
             notice = Notice.TRUNCATED if status == MessageStatus.TRUNCATED else Notice.FILTERED
         else:
             notice = Notice.FILTERED if status == MessageStatus.FILTERED else Notice.EMPTY
-        return Completed(messages=self.pending, usage=self.usage, notice=notice)
+        return Completed(
+            messages=self.pending, usage=self.usage, notice=notice, model=self.asked_model()
+        )
+
+    def asked_model(self) -> str:  # H4: the dialog's model, else the provider's own
+        return self.model or getattr(self.provider, "model", None) or DEMO_MODEL
 
     def max_tokens(self) -> int:
         return answer_token_limit(
-            context_window=self.builder.context_window,
+            context_window=self.context_window,
             input_tokens=self.input_tokens,
             configured=self.answer_tokens,
         )
@@ -422,7 +439,11 @@ class TurnRunner:
             stream = opened.take()
         else:
             stream = self.provider.stream(
-                messages=messages, tools=tools, purpose="turn", max_tokens=self.max_tokens()
+                messages=messages,
+                tools=tools,
+                purpose="turn",
+                max_tokens=self.max_tokens(),
+                model=self.model,
             )
         # Deltas until the loop gets a turn: 0 at first, so the turn's first snapshot goes out
         # at once (F7: a model that sends its answer in one burst never holds the event loop,

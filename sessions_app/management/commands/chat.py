@@ -62,6 +62,7 @@ class Terminal:
                 chat_id=self.chat_id,
                 layer=layer,
                 reply_channel=await layer.new_channel("cli."),
+                via="terminal",
             )
             current = await on_db(conn.resolve)(self.dialog_id, create=True)
             await conn.join_chat()

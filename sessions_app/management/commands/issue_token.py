@@ -13,6 +13,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import models, transaction
 
+from audit.trail import Actor
 from sessions_app.models import ApiToken
 from sessions_app.services import api_token_issue
 
@@ -63,7 +64,10 @@ class Command(BaseCommand):
                 created = True
             elif not user.is_active:
                 raise CommandError(f"User {username!r} is inactive; a token would not work.")
-            token, raw = api_token_issue(user=user, name=name)
+            # H5: a command is run by whoever has the server's shell: recorded as `system`.
+            token, raw = api_token_issue(
+                user=user, name=name, actor=Actor.system(via="manage.py issue_token")
+            )
 
         if options["verbosity"] >= 1:
             if created:

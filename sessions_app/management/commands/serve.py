@@ -27,6 +27,8 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.internet import defer, reactor
 
+from sessions_app.management.edge import BodyCapFactory, SecurityHeaders, body_cap
+
 logger = logging.getLogger(__name__)
 
 # STYLE 5: turns do not belong to sockets, so an application instance whose client has left
@@ -38,11 +40,22 @@ MIN_WEBSOCKET_MESSAGE_SIZE = 1024 * 1024
 
 
 class _Server(daphne.server.Server):
-    """Daphne's server, telling the command once it really listens."""
+    """Daphne's server, telling the command once it really listens; its HTTP requests refuse
+    a body over the cap before Django reads any (`edge.BodyCapFactory`, F3)."""
 
-    def __init__(self, *args: Any, on_listening: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_listening: Any, body_cap: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_listening = on_listening
+        self._body_cap = body_cap
+
+    @property
+    def http_factory(self) -> Any:
+        return self._http_factory
+
+    @http_factory.setter
+    def http_factory(self, factory: Any) -> None:
+        # Daphne's `run` makes its HTTP factory here; ours is the same with capped requests.
+        self._http_factory = BodyCapFactory(self, self._body_cap)
 
     def listen_success(self, port: Any) -> None:
         super().listen_success(port)
@@ -112,7 +125,8 @@ class Command(BaseCommand):
 
         app: Any = application
         if options["serve_static"]:
-            app = ASGIStaticFilesHandler(app)
+            # F8: static files get the same security headers as pages.
+            app = SecurityHeaders(ASGIStaticFilesHandler(app))
 
         frame_limit = settings.CHAT.get("FRAME_LIMIT_BYTES")
         if not isinstance(frame_limit, int):
@@ -161,6 +175,7 @@ class Command(BaseCommand):
             root_path=getattr(settings, "FORCE_SCRIPT_NAME", "") or "",
             ready_callable=on_ready,
             on_listening=on_listening,
+            body_cap=body_cap(),
         )
         server.run()
         if not server.listening_addresses:

@@ -125,6 +125,7 @@ async def test_edit_regenerate_and_branch_over_rest(
     edited = await api.turn_done(ack["turn_id"])
     assert [m["content"] for m in edited["messages"]] == ["hello again", "echo: hello again"]
     assert edited["messages"][0]["parent_seq"] == 1
+    assert edited["messages"][0]["siblings"] == [user_seq, edited["messages"][0]["seq"]]
     _, page = await api.get(f"/sessions/{sid}/messages")
     assert [m["content"] for m in page["messages"]][1:] == ["hello again", "echo: hello again"]
     assert page["messages"][1]["siblings"] == [user_seq, edited["messages"][0]["seq"]]

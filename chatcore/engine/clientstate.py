@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from channels.layers import get_channel_layer
 
 from chatcore.common import events, publish
-from sessions_app import selectors, usage
+from sessions_app import branches, selectors, usage
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .turns.outcome import present_notice
@@ -148,6 +148,8 @@ def turn_state(turn: Turn) -> dict[str, Any]:
     if turn.status == TurnStatus.COMPLETED and turn.reason:
         # E5: the words for a cut or withheld answer, as its `turn_updated` carried them.
         notice = {"kind": turn.reason, "message": present_notice(turn.reason)}
+    messages = list(turn.messages.order_by("seq"))
+    branches.mark_siblings(turn.session, messages)  # H1: a version shows its siblings
     return {
         "turn_id": str(turn.pk),
         "session_id": turn.session.session_id,
@@ -157,7 +159,7 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "error": error,
         "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
-        "messages": [events.message_frame(m) for m in turn.messages.order_by("seq")],
+        "messages": [events.message_frame(m) for m in messages],
         # H4: the model it asked and what that model reported.
         "model": turn.model or None,
         "usage": usage.usage_of(turn.usage),

@@ -116,12 +116,12 @@ def regenerate_target(session: Session, seq: object | None) -> tuple[Message, in
     """The answer a regenerate asks for again (default: the last answer of the active path)
     and the user message it answers (bad request: not an answer of the dialog)."""
     if seq is None:
-        path = branches.active_path(session)
-        answers = Message.objects.filter(session_id=session.pk, role=Role.ASSISTANT)
-        if path is not None:
-            on_path = set(path)
-            found = [m for m in answers.order_by("-seq").only("seq") if m.seq in on_path][:1]
+        if session.forked:
+            # The newest answer of the active path, walked up from its head.
+            newest = branches.page_before(session, None, 50)
+            found = [m for m in newest if m.role == Role.ASSISTANT][:1]
         else:
+            answers = Message.objects.filter(session_id=session.pk, role=Role.ASSISTANT)
             found = list(answers.order_by("-seq").only("seq")[:1])
         if not found:
             raise BadRequest(_("There is no answer to regenerate."))

@@ -276,11 +276,27 @@ STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 
+# H3: uploaded files go through Django's storage API: a folder under CHAT_VAR_DIR unless
+# another backend is configured here (README: S3 through django-storages).
+STORAGES: dict[str, Any] = {
+    "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(VAR_DIR / "files")},
+    },
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
 # --- The conversation engine (SPEC A8, F6) --------------------------------------------------
 CHAT: dict[str, Any] = {
     "SESSION_TTL_SECONDS": _env_int("CHAT_SESSION_TTL_SECONDS", 24 * 3600),
     "CLEANUP_INTERVAL_SECONDS": _env_int("CHAT_CLEANUP_INTERVAL_SECONDS", 60 * 60),
     "AUTO_TITLE_AFTER": _env_int("CHAT_AUTO_TITLE_AFTER", 10),
+    # B4: a first title after the dialog's first completed answer; the threshold's replaces it.
+    "FIRST_TITLE": _env_bool("CHAT_FIRST_TITLE", True),
+    # B4: seconds before each retry of a failed title (at most this many retries).
+    "TITLE_RETRY_DELAYS": [
+        float(x) for x in _env_list("CHAT_TITLE_RETRY_DELAYS", "5,20,60") if x.strip()
+    ],
     "STORAGE_RETRY_DELAYS_MS": [100, 200, 300],
     "QUEUE_CAPACITY": _env_int("CHAT_QUEUE_CAPACITY", 32),
     "GLOBAL_ADMISSION_BOUND": _env_int("CHAT_GLOBAL_ADMISSION_BOUND", 10_000),
@@ -288,6 +304,9 @@ CHAT: dict[str, Any] = {
     # H5: audit records older than this are purged by the background sweep (0: kept forever).
     "AUDIT_RETENTION_DAYS": _env_int("CHAT_AUDIT_RETENTION_DAYS", 365),
     "CONTENT_LIMIT": _env_int("CHAT_CONTENT_LIMIT", 65_536),
+    # H3: one upload's bytes, and the files one send may attach.
+    "UPLOAD_MAX_BYTES": _env_int("CHAT_UPLOAD_MAX_BYTES", 20 * 1024 * 1024),
+    "ATTACHMENTS_MAX": _env_int("CHAT_ATTACHMENTS_MAX", 10),
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
     "SNAPSHOT_FPS": _env_int("CHAT_SNAPSHOT_FPS", 20),
@@ -332,6 +351,9 @@ CHAT: dict[str, Any] = {
     # Started with each server process's engine (`runtime.start_in_current_loop`): dotted
     # paths of functions taking the engine, which spawn supervised tasks on it.
     "ENGINE_SERVICES": [],
+    # H2: the largest document `POST /sessions/import` reads, and messages it takes.
+    "IMPORT_MAX_BYTES": _env_int("CHAT_IMPORT_MAX_BYTES", 50 * 1024 * 1024),
+    "IMPORT_MAX_MESSAGES": _env_int("CHAT_IMPORT_MAX_MESSAGES", 100_000),
 }
 
 # Chat apps (PROTOCOL "Chat apps"): each platform is on only when its credentials are set.

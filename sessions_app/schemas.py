@@ -8,7 +8,9 @@ fields of a message are left out when absent (the views render with `exclude_uns
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from uuid import UUID
 
+from django.conf import settings
 from ninja import Field, Schema
 from pydantic import AfterValidator, model_validator
 
@@ -32,7 +34,11 @@ def _storable(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_storable)]
+# Length limits go on the string itself, before `_storable` runs: set after it, pydantic
+# checks them as a generic length and speaks of "items" (issue 54).
+Title = Annotated[str, Field(min_length=1, max_length=TITLE_MAX), AfterValidator(_storable)]
+Content = Annotated[str, Field(min_length=1), AfterValidator(_storable)]
+ClientMsgId = Annotated[str, Field(max_length=CLIENT_MSG_ID_MAX), AfterValidator(_storable)]
 IdPart = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
 
@@ -45,7 +51,8 @@ class ErrorOut(Schema):
 
     code: str = Field(
         description="bad_request, unauthorized, csrf_failed, not_found, conflict, queue_full, "
-        "too_large, rate_limited, overloaded, shutting_down, storage_error, internal_error"
+        "too_large, unsupported_type, rate_limited, overloaded, shutting_down, storage_error, "
+        "internal_error"
     )
     message: str
 
@@ -71,17 +78,19 @@ class SessionCreateIn(Schema):
     dialog_id: IdPart | None = Field(
         None, description="Omitted: a new random id. An id of a live dialog answers 409."
     )
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
+    title: Title | None = None
 
 
 class SessionRenameIn(Schema):
     """PATCH a dialog: any of its title, model and system prompt (H4); omitted = unchanged."""
 
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
-    model: Annotated[Text, Field(min_length=1, max_length=200)] | None = Field(
-        None, description="One of the ids of `GET /models`; anything else answers 400."
+    title: Title | None = None
+    model: Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_storable)] | None = (
+        Field(None, description="One of the ids of `GET /models`; anything else answers 400.")
     )
-    system_prompt: Annotated[Text, Field(max_length=SYSTEM_PROMPT_MAX)] | None = Field(
+    system_prompt: (
+        Annotated[str, Field(max_length=SYSTEM_PROMPT_MAX), AfterValidator(_storable)] | None
+    ) = Field(
         None,
         description="The dialog's own instructions, sent in the first (system) message "
         "after the platform's; empty clears them.",
@@ -174,10 +183,17 @@ class SessionListOut(Schema):
 
 
 class MessageIn(Schema):
-    content: Annotated[Text, Field(min_length=1)] = Field(
+    content: Content = Field(
         description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
+    attachments: list[UUID] = Field(
+        default_factory=list,
+        max_length=settings.CHAT["ATTACHMENTS_MAX"],
+        description="Ids of the caller's own files (POST /files) to send with a `send`, at "
+        "most CHAT_ATTACHMENTS_MAX (default 10); another user's or an unknown file refuses "
+        "the send (422) (H3).",
+    )
     mode: Literal["send", "steer", "inject"] = Field(
         "send",
         description="send: a new turn (C1); steer: joins the running turn at its next step, "
@@ -186,16 +202,30 @@ class MessageIn(Schema):
 
 
 class RetryIn(Schema):
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
+
+
+class AttachmentOut(Schema):
+    """A file a message carries (PROTOCOL "Files and images")."""
+
+    file_id: str
+    name: str
+    size: int
+    content_type: str
+    kind: Literal["image", "text", "document"]
+
+
+class FileOut(AttachmentOut):
+    """An uploaded file (POST /files)."""
 
 
 class EditIn(Schema):
     """H1: the new text of a user message; it becomes a sibling of the edited one."""
 
-    content: Annotated[Text, Field(min_length=1)] = Field(
+    content: Content = Field(
         description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
 
 
 class BranchIn(Schema):
@@ -238,6 +268,9 @@ class MessageOut(Schema):
         "cut answer a continuation goes on with.",
     )
     turn_id: str | None = None
+    attachments: list[AttachmentOut] | None = Field(
+        None, description="The files a user message carries (H3)."
+    )
 
 
 class MessagePageOut(Schema):

@@ -26,6 +26,7 @@ from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
 from . import branches
+from .files import file_uses_record, session_delete_with_files
 from .models import (
     Message,
     MessageKind,
@@ -53,7 +54,10 @@ TITLE_MAX = 200
 # --- Dialogs ------------------------------------------------------------------------------
 
 
-def _welcome_text(dialog_id: str) -> str:
+def _welcome_text(dialog_id: str, channel: str) -> str:
+    if channel == "web":
+        # Issue 54: the web chat has a list and menus, not commands to learn first.
+        return _("New dialog started. Rename or delete it from its menu in your list of dialogs.")
     return _(
         "New dialog created! Dialog id: %(dialog_id)s\n"
         "Use /sessions to list your dialogs and /switch <id> to change dialog."
@@ -144,7 +148,7 @@ def session_create_with_history(
                 session=session,
                 seq=1,
                 role=Role.SYSTEM,
-                content=_welcome_text(key.dialog_id),
+                content=_welcome_text(key.dialog_id, key.channel),
                 created_at=now,
                 source={"kind": MessageKind.WELCOME},
             )
@@ -197,26 +201,6 @@ def session_rename(
     return session
 
 
-def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
-    """Commit an automatic title only if the title is still the default and the dialog still
-    exists (B4): a person's rename always wins, also against a late result."""
-    clean = clean_title(title)
-
-    def write() -> int:
-        with transaction.atomic():
-            return Session.objects.filter(
-                pk=session_pk, title_source=TitleSource.DEFAULT, deleted_at__isnull=True
-            ).update(
-                title=clean, title_source=TitleSource.AUTO, state_version=F("state_version") + 1
-            )
-
-    if not storage_retry(write, what="title_commit"):
-        return None
-    session = Session.objects.get(pk=session_pk)
-    publish.publish_to_chat(session, events.session_updated_frame(session=session))
-    return session
-
-
 def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     """Put the default title back (an operator's "regenerate title"), so the title job may
     replace it."""
@@ -225,7 +209,10 @@ def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     def write() -> None:
         with transaction.atomic():
             Session.objects.filter(pk=session.pk).update(
-                title=new, title_source=TitleSource.DEFAULT, state_version=F("state_version") + 1
+                title=new,
+                title_source=TitleSource.DEFAULT,
+                title_attempts=0,
+                state_version=F("state_version") + 1,
             )
             audit_dialog(
                 actor=actor,
@@ -321,7 +308,7 @@ def session_restore(*, session: Session, actor: Actor | None = None) -> Session:
 
 
 def session_purge(*, session: Session, actor: Actor | None = None) -> None:
-    """Physical delete with cascade (A7)."""
+    """Physical delete with cascade (A7), and the files only it used (H3)."""
     _purge_one(session.pk, actor or Actor.system())
 
 
@@ -340,8 +327,9 @@ def _purge_one(pk: str, actor: Actor) -> None:
     def write() -> None:
         with transaction.atomic():
             # H5: the record names the dialog as it was; nothing is recorded if it is gone.
-            gone = Session.objects.filter(pk=pk).first()
-            if gone is not None and Session.objects.filter(pk=pk).delete()[0]:
+            gone = Session.objects.select_for_update().filter(pk=pk).first()
+            if gone is not None:
+                session_delete_with_files(session_pk=pk)  # H3: and the files only it used
                 audit_dialog(actor=actor, action=Action.DIALOG_PURGE, session=gone, purged=True)
 
     storage_retry(write, what="purge")
@@ -420,6 +408,8 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
+    if any(m.media_refs for m in messages):
+        file_uses_record(session_pk=locked.pk, refs=[r for m in messages for r in m.media_refs])
     tree = branches.appended(locked, rows)  # the head, and the forks it made
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)

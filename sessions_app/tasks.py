@@ -18,13 +18,15 @@ logger = logging.getLogger(__name__)
     autoretry_for=(DatabaseError,),
     retry_backoff=True,
     max_retries=3,
-    soft_time_limit=60,
-    time_limit=90,
+    # B4: the job retries a failed title itself, after CHAT_TITLE_RETRY_DELAYS (85 s by
+    # default) and up to four model calls.
+    soft_time_limit=300,
+    time_limit=330,
 )
-def generate_title(session_pk: str) -> str | None:
+def generate_title(session_pk: str, stage: str = "auto") -> str | None:
     from chatcore.engine import jobs
 
-    return asyncio.run(jobs.generate_title(session_pk=session_pk))
+    return asyncio.run(jobs.generate_title(session_pk=session_pk, stage=stage))
 
 
 @shared_task(
@@ -44,7 +46,7 @@ def compact_session(session_pk: str, manual: bool = False) -> int | None:
 @shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
 def purge_deleted_sessions() -> int:
     from audit.trail import audit_purge_expired
-    from sessions_app import services
+    from sessions_app import files, services
 
     count = services.sessions_purge_expired()
     if count:
@@ -53,6 +55,10 @@ def purge_deleted_sessions() -> int:
     records = audit_purge_expired()
     if records:
         logger.info("purged %d audit records past retention", records)
+    # H3: uploads older than a day that no message attached.
+    swept = files.files_sweep_unused()
+    if swept:
+        logger.info("swept %d unused uploads", swept)
     return count
 
 

@@ -141,9 +141,11 @@ def test_titles_and_summaries_read_the_active_path(user):
     _append(session, _msg("user", "about dogs"), parent=1)
     for n in range(4):
         _append(session, _msg("assistant", f"dog answer {n}"), _msg("user", f"dog question {n}"))
-    title = jobs._title_input(session.pk)
+    from sessions_app.models import TitleSource
+
+    title = jobs._title_input(session.pk, TitleSource.FIRST)
     assert title is not None
-    transcript = title[0][1]["content"]
+    transcript = title[1]["content"]
     assert "about dogs" in transcript and "cats" not in transcript
     summary = jobs._compaction_input(session.pk)
     assert summary is not None

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = (
     "vendor/marked/marked.umd.js",
     "vendor/dompurify/purify.min.js",
+    "vendor/highlight/highlight.min.js",
     "chat/history.js",
     "chat/app.js",
 )
@@ -122,6 +123,11 @@ def test_static_files_exist() -> None:
     # The vendored builds are the browser (UMD) ones, with their banners intact.
     assert "marked v" in (vendor / "marked" / "marked.umd.js").read_text()[:300]
     assert "DOMPurify" in (vendor / "dompurify" / "purify.min.js").read_text()[:300]
+    # Issue 54: highlight.js's browser build and its two themes.
+    assert (vendor / "highlight" / "LICENSE").is_file() and "highlight/" in readme
+    assert "Highlight.js v" in (vendor / "highlight" / "highlight.min.js").read_text()[:300]
+    for theme in ("github.min.css", "github-dark.min.css"):
+        assert finders.find(f"vendor/highlight/{theme}"), theme
 
 
 def test_app_never_writes_unsanitised_html() -> None:
@@ -154,9 +160,10 @@ def test_page_modules_import_one_way() -> None:
         assert finders.find(f"chat/{name}"), name
         seen[name] = _module_imports(name)
         todo.extend(seen[name])
-    # Every module in static/chat/ is reached from app.js (history.js is a classic script).
+    # Every module in static/chat/ is reached from app.js (history.js is a classic script;
+    # share.js is the shared-link page's own, templates/chat/share.html).
     on_disk = {path.name for path in (ROOT / "static" / "chat").glob("*.js")}
-    assert set(seen) == on_disk - {"history.js"}
+    assert set(seen) == on_disk - {"history.js", "share.js"}
     assert {"transport.js", "state.js", "render.js", "sidebar.js", "composer.js"} <= set(seen)
 
     def reaches(start: str, goal: str) -> bool:

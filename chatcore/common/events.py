@@ -41,6 +41,9 @@ def message_frame(message: Any) -> dict[str, Any]:
         data["source"] = source
     if message.turn_id:
         data["turn_id"] = str(message.turn_id)
+    if getattr(message, "media_refs", None):
+        # H3: the files a user message carries.
+        data["attachments"] = message.media_refs
     return data
 
 
@@ -232,6 +235,19 @@ def command_result_frame(
         "command": command,
         "ok": ok,
         "content": content,
+    }
+
+
+def search_results_frame(
+    *, q: str, items: list[dict[str, Any]], count: int, client_msg_id: str | None = None
+) -> dict[str, Any]:
+    """The answer to a `search` frame (PROTOCOL "Search, export, import")."""
+    return {
+        "type": "search_results",
+        "client_msg_id": client_msg_id,
+        "q": q,
+        "items": items,
+        "count": count,
     }
 
 

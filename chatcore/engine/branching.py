@@ -45,13 +45,16 @@ def enqueue_edit(
         with transaction.atomic():
             live = queue.lock_live(session.pk)
             edited = branch_services.edit_target(live, seq)
+            kept = {"edit_of": edited.seq}
+            if edited.media_refs:
+                kept["attachments"] = edited.media_refs  # H3: the new version keeps its files
             turn = queue.enqueue_locked(
                 live,
                 cfg=cfg,
                 owner_id=owner_id,
                 content=content,
                 client_msg_id=client_msg_id,
-                source={**source, "edit_of": edited.seq},
+                source={**source, **kept},
                 received_at=timezone.now(),
                 mode=TurnMode.EDIT,
             )

@@ -33,9 +33,10 @@ from audit.trail import Action, audit_dialog
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
-from .. import branches, services
+from .. import branches, search, services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
+from .files import attachments_html, files_url
 from .history import AuditHistoryMixin, ViewRecordedMixin, admin_actor
 from .settings import (
     DIALOG_SETTINGS_FIELDSET,
@@ -84,7 +85,7 @@ class MessageInline(admin.TabularInline):
     model = Message
     formset = MessageWindowFormSet
     template = "admin/sessions_app/session/message_inline.html"
-    fields = ("seq", "role", "content_preview", "versions", "status", "created_at")
+    fields = ("seq", "role", "content_preview", "attachments", "versions", "status", "created_at")
     readonly_fields = fields
     ordering = ("seq",)
     extra = 0
@@ -130,6 +131,10 @@ class MessageInline(admin.TabularInline):
         # only calls tools shows its calls (H5 polish).
         return message_preview(obj, INLINE_CONTENT_CHARS)
 
+    @admin.display(description=_("attachments"))
+    def attachments(self, obj: Message) -> str:
+        return attachments_html(obj.media_refs or [])  # H3
+
 
 class SessionAdminForm(DialogSettingsFormMixin, forms.ModelForm):
     class Meta:
@@ -167,8 +172,8 @@ class SessionAdmin(
         DeletedFilter,
     )
     date_hierarchy = "last_active_at"
-    # Django adds DISTINCT itself when a search term goes through messages__content.
-    search_fields = ("title", "chat_id", "channel", "owner__username", "messages__content")
+    # Messages are searched through the search index (H2, `get_search_results`).
+    search_fields = ("title", "chat_id", "channel", "owner__username")
     actions = (
         "soft_delete_selected",
         "restore_selected",
@@ -200,6 +205,7 @@ class SessionAdmin(
                     "deleted_at",
                     "message_count",
                     "total_message_count",
+                    "files_link",
                 )
             },
         ),
@@ -232,6 +238,7 @@ class SessionAdmin(
         "deleted_at",
         "message_count",
         "total_message_count",
+        "files_link",
         "last_seq",
         "state_version",
         "turn_counter",
@@ -241,6 +248,12 @@ class SessionAdmin(
         "usage_display",
     )
 
+    @admin.display(description=_("files"))
+    def files_link(self, obj: Session) -> str:
+        # H3: the files this dialog's messages attached.
+        count = obj.file_uses.count()
+        return format_html('<a href="{}">{}</a>', files_url(session=obj.pk), count)
+
     @admin.display(description=_("session id"))
     def session_id_display(self, obj: Session) -> str:
         return obj.session_id
@@ -248,6 +261,17 @@ class SessionAdmin(
     @admin.display(description=_("deleted"), boolean=True, ordering="deleted_at")
     def is_deleted_display(self, obj: Session) -> bool:
         return obj.is_deleted
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Session], search_term: str
+    ) -> tuple[QuerySet[Session], bool]:
+        """Django's search over the fields above, or a message holding every word, found
+        through the same index as the users' search (H2), of anyone's dialog."""
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        if not search_term.strip():
+            return found, may_have_duplicates
+        pks = search.session_pks_matching(q=search_term)
+        return found | queryset.filter(pk__in=pks), may_have_duplicates
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # Dialogs are created by their owners through a channel, which checks the chat (A1).

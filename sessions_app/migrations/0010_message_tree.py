@@ -20,7 +20,7 @@ FILL_HEADS = (
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0014_audit"),
+        ("sessions_app", "0017_title_attempts"),
     ]
 
     operations = [

@@ -117,19 +117,22 @@ export function regenerateAction(m) {
   return button;
 }
 
-/** The foot of a user message: its versions and Edit. */
-export function userFoot(m, node) {
+/** The foot of a user message: its versions, then its actions (`bar`, e.g. Copy) with Edit
+ * for a message with text. */
+export function userFoot(m, node, bar) {
   var foot = el("div", "msg-foot msg-user-foot");
   var versions = versionSwitcher(m);
   if (versions) {
     foot.appendChild(versions);
   }
-  var bar = el("div", "msg-actions");
-  var edit = action("edit", t("edit"), function () {
-    openEditor(m, node, edit);
-  });
-  edit.classList.add("edit-btn");
-  bar.appendChild(edit);
+  bar = bar || el("div", "msg-actions");
+  if (m.content) {
+    var edit = action("edit", t("edit"), function () {
+      openEditor(m, node, edit);
+    });
+    edit.classList.add("edit-btn");
+    bar.appendChild(edit);
+  }
   foot.appendChild(bar);
   return foot;
 }

@@ -4,8 +4,18 @@
  * note. A sent message shows at once as a pending bubble with its queue chip until the
  * server's delta brings the stored one (or says why it was not sent).
  */
+import {
+  attachmentsBusy,
+  attachmentsView,
+  bindAttachments,
+  clearAttachments,
+  readyAttachments,
+  restoreAttachments,
+} from "./attachments.js";
+import { draftAllows, isDraft, openDraft } from "./draft.js";
 import { platformName } from "./format.js";
 import { clearTurnNote, scrollToBottom, updateEmpty } from "./render.js";
+import { hideOffer, rememberTyped } from "./slash.js";
 import { history, store } from "./state.js";
 import { aim, isOpen, send, sendCommand } from "./transport.js";
 import { $, actionButton, config, el, icon, randomId, t, toast } from "./ui.js";
@@ -23,8 +33,12 @@ export function renderPending() {
     }
     var node = el("div", "msg msg-user msg-pending");
     node.dataset.clientMsgId = p.id;
-    var bubble = el("div", "bubble", p.content);
-    node.appendChild(bubble);
+    if (p.attachments && p.attachments.length) {
+      node.appendChild(attachmentsView(p.attachments));
+    }
+    if (p.content) {
+      node.appendChild(el("div", "bubble", p.content));
+    }
     var meta = el("div", "pending-meta");
     if (p.error || p.unconfirmed) {
       node.classList.add("msg-failed");
@@ -35,10 +49,11 @@ export function renderPending() {
       meta.appendChild(actionButton(p.unconfirmed ? t("resend") : t("edit"), function () {
         dropPending(p);
         if (p.unconfirmed) {
-          sendMessage(p.content);
+          sendMessage(p.content, p.attachments);
         } else {
           var input = $("composer-input");
           input.value = p.content;
+          restoreAttachments(p.attachments);
           autosize();
           updateSendButton();
           input.focus();
@@ -68,6 +83,32 @@ export function dropPending(pending) {
   renderPending();
 }
 
+var lastReturnNotice = 0;
+
+/** A queued message the server dropped unsent (Stop drops the queue, C6): its text comes
+ * back to the composer (after what is typed there), and the user is told. */
+export function returnToComposer(pending) {
+  dropPending(pending);
+  var text = pending.content || "";
+  var files = pending.attachments || [];
+  if (!text.trim() && !files.length) {
+    return;
+  }
+  if (files.length) {
+    restoreAttachments(files); // H3: its files come back as chips too
+  }
+  var input = $("composer-input");
+  if (text.trim()) {
+    input.value = input.value.trim() ? input.value.replace(/\s+$/, "") + "\n\n" + text : text;
+  }
+  autosize();
+  updateSendButton();
+  if (Date.now() - lastReturnNotice > 1000) {
+    lastReturnNotice = Date.now(); // one notice for a queue dropped at once
+    toast(t("queued_returned"), "info");
+  }
+}
+
 /** The stored message (or the turn's end) replaces its pending bubble. */
 export function dropPendingFor(clientMsgId, turnId) {
   var pending = store.findPending(clientMsgId) || store.findPendingByTurn(turnId);
@@ -88,17 +129,40 @@ export function autosize() {
 
 export function updateSendButton() {
   var input = $("composer-input");
-  $("send-button").disabled = !input.value.trim() || !isOpen() || input.disabled;
+  var filled = input.value.trim() || readyAttachments().length;
+  $("send-button").disabled = !filled || attachmentsBusy() || !isOpen() || input.disabled;
 }
 
-function sendMessage(content) {
+/** Send `content` with the uploaded `attachments` (H3) as a message; `literal`: even when it
+ * starts with `/` (PROTOCOL `send`). The first message of a draft dialog makes the dialog
+ * first (draft.js). */
+export function sendMessage(content, attachments, literal) {
   if (!isOpen()) {
     toast(t("offline_cannot_send"), "error");
     return false;
   }
+  if (isDraft() && !openDraft()) {
+    return false;
+  }
   var id = randomId();
   var frame = aim({ type: "send", content: content, client_msg_id: id });
-  store.addPending({ id: id, sessionId: history.sessionId, content: content, turnId: null });
+  if (literal) {
+    frame.literal = true;
+  }
+  var refs = attachments || [];
+  if (refs.length) {
+    // H3: the uploaded files go with the send by id.
+    frame.attachments = refs.map(function (ref) {
+      return ref.file_id;
+    });
+  }
+  store.addPending({
+    id: id,
+    sessionId: history.sessionId,
+    content: content,
+    attachments: refs,
+    turnId: null,
+  });
   send(frame);
   clearTurnNote();
   renderPending();
@@ -111,7 +175,12 @@ function submitComposer() {
   var input = $("composer-input");
   var content = input.value;
   var trimmed = content.trim();
-  if (!trimmed) {
+  var attachments = readyAttachments();
+  if (attachmentsBusy()) {
+    toast(t("attach_wait"), "error");
+    return;
+  }
+  if (!trimmed && !attachments.length) {
     return;
   }
   if (!isOpen()) {
@@ -126,14 +195,24 @@ function submitComposer() {
     toast(t("too_long", { n: length, limit: CONTENT_LIMIT }), "error");
     return;
   }
-  if (trimmed.charAt(0) === "/") {
-    // Slash commands go to the server as they are (B3); it answers each one.
-    if (!sendCommand(trimmed, false)) {
+  if (trimmed.charAt(0) === "/" && !attachments.length) {
+    // Slash commands go to the server as they are (B3); it answers each one. The text stays
+    // in the composer until it does: an unknown command offers to send it as a message.
+    if (isDraft() && !draftAllows(trimmed)) {
+      toast(t("draft_command"), "info");
       return;
     }
-  } else if (!sendMessage(content)) {
+    var commandId = sendCommand(trimmed, false);
+    if (commandId) {
+      rememberTyped(commandId, content);
+    }
+    return;
+  } else if (!sendMessage(trimmed ? content : "", attachments, trimmed.charAt(0) === "/")) {
+    // With files attached, a leading "/" is text, not a command.
     return;
   }
+  clearAttachments();
+  hideOffer();
   input.value = "";
   autosize();
   updateSendButton();
@@ -203,6 +282,7 @@ export function bindComposer() {
   input.addEventListener("input", function () {
     autosize();
     updateSendButton();
+    hideOffer();
   });
   input.addEventListener("keydown", function (event) {
     // IME composition (Chinese, Japanese…) uses Enter to pick characters: never send then.
@@ -215,4 +295,5 @@ export function bindComposer() {
     }
   });
   $("stop-button").addEventListener("click", stopTurn);
+  bindAttachments(updateSendButton);
 }

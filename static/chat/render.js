@@ -5,6 +5,7 @@
  * turn's answer is stream.js's.
  */
 import { regenerateAction, userFoot, versionSwitcher } from "./branches.js";
+import { attachmentsView } from "./attachments.js";
 import { fullTime } from "./format.js";
 import { copyText, renderMarkdownInto } from "./markdown.js";
 import { history, store } from "./state.js";
@@ -134,12 +135,17 @@ function renderMessage(m) {
   var node;
   if (m.role === "user") {
     node = el("div", "msg msg-user");
-    var bubble = el("div", "bubble", m.content || "");
-    node.appendChild(bubble);
+    if (m.attachments && m.attachments.length) {
+      node.appendChild(attachmentsView(m.attachments)); // H3
+    }
+    if (m.content || !(m.attachments && m.attachments.length)) {
+      node.appendChild(el("div", "bubble", m.content || ""));
+    }
     if (source.kind === "steer" || source.kind === "inject") {
       node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
     }
-    node.appendChild(userFoot(m, node));
+    // Copy your own words (issue 54), their versions and Edit (H1).
+    node.appendChild(userFoot(m, node, m.content ? messageActions(m) : null));
   } else if (m.role === "assistant") {
     if (joinContinuation(m)) {
       return null;
@@ -204,7 +210,9 @@ function renderAnswer(m) {
     markCut(node, foot, m);
   }
   if (hasText) {
-    foot.appendChild(messageActions(m));
+    var actions = messageActions(m);
+    actions.appendChild(regenerateAction(m)); // H1
+    foot.appendChild(actions);
   }
   if (hasText && !calls) {
     store.setAnswer(m.id, { node: node, text: m.content });
@@ -293,7 +301,6 @@ function messageActions(m) {
     copyText(m.content || "", copy);
   });
   bar.appendChild(copy);
-  bar.appendChild(regenerateAction(m));
   return bar;
 }
 

@@ -4,6 +4,7 @@ every socket of the chat, and bad input refused with nothing changed."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -183,3 +184,41 @@ async def test_an_edit_streams_like_a_send(api: Api, fake_model: Any) -> None:
     assert kinds[-1] == "turn_updated" and events[-1]["status"] == "completed"
     text = "".join(e["text"] for e in events if e["event"] == "turn_snapshot")
     assert "echo: other words" in text
+
+
+async def test_export_carries_every_branch_and_import_keeps_the_active_path(
+    api: Api, fake_model: Any
+) -> None:
+    # covers: H1, H2
+    from tests.test_carry_api import _export
+
+    s = await api.create(dialog_id="exported")
+    sid = s["session_id"]
+    turn = await api.turn_done((await api.send(sid, "first version"))["turn_id"])
+    question = turn["messages"][0]["seq"]
+    status, ack = await api.post(
+        f"/sessions/{sid}/messages/{question}/edit", {"content": "second version"}
+    )
+    assert status == 202
+    edited = await api.turn_done(ack["turn_id"])
+
+    status, body, _ = await _export(api, sid)
+    doc = json.loads(body)
+    parents = {m["seq"]: m["parent_seq"] for m in doc["messages"]}
+    contents = {m["content"] for m in doc["messages"]}
+    assert {"first version", "echo: first version", "second version"} <= contents
+    assert parents[question] == parents[edited["messages"][0]["seq"]] == 1
+    assert doc["head_seq"] == edited["messages"][-1]["seq"]
+
+    status, body, _ = await _export(api, sid, format="markdown")
+    text = body.decode()
+    assert "second version" in text and "first version" not in text
+
+    status, created = await api.post("/sessions/import", doc)
+    assert status == 201, created
+    _, page = await api.get(f"/sessions/{created['session_id']}/messages")
+    shown = [(m["content"], m["parent_seq"]) for m in page["messages"]][1:]
+    assert [c for c, _ in shown] == ["second version", "echo: second version"]
+    assert [p for _, p in shown] == [1, 2]
+    _, state = await api.get(f"/sessions/{created['session_id']}")
+    assert state["head_seq"] == len(page["messages"])

@@ -222,3 +222,19 @@ async def test_export_carries_every_branch_and_import_keeps_the_active_path(
     assert [p for _, p in shown] == [1, 2]
     _, state = await api.get(f"/sessions/{created['session_id']}")
     assert state["head_seq"] == len(page["messages"])
+
+
+async def test_a_share_freezes_the_active_path(api: Api, fake_model: Any) -> None:
+    # covers: H1, H2
+    s = await api.create(dialog_id="shared")
+    sid = s["session_id"]
+    turn = await api.turn_done((await api.send(sid, "old words"))["turn_id"])
+    status, ack = await api.post(
+        f"/sessions/{sid}/messages/{turn['messages'][0]['seq']}/edit", {"content": "new words"}
+    )
+    await api.turn_done(ack["turn_id"])
+    status, share = await api.post(f"/sessions/{sid}/share")
+    assert status == 201, share
+    response = await api.client.get(share["url"])
+    page = response.content.decode()
+    assert "new words" in page and "old words" not in page

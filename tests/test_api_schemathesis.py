@@ -46,8 +46,8 @@ def test_fuzzed_requests_never_get_a_server_error(live: LiveApi, tmp_path: Path)
     # names a user message (an answer, any message) of the dialog a generated case picks, so
     # most of their generated cases are refused as bad input, which is what they must do;
     # edits and regenerates that follow the schema's links from a turn are accepted (202),
-    # and tests/test_branches_* cover every outcome. The warning about refused generated data is not shown
-    # for these three.
+    # and tests/test_branches_* cover every outcome. The warning about refused generated
+    # data is not shown for these three.
     config = tmp_path / "schemathesis.toml"
     config.write_text(
         "[[operations]]\n"

@@ -14,7 +14,7 @@ from django.urls import reverse
 from sessions_app import branch_services, services
 from sessions_app.models import MessageKind, Role, Session
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.both_dbs]
 
 
 @pytest.fixture

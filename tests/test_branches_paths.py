@@ -14,6 +14,9 @@ from chatcore.engine.turns.builder import RuntimeInfo, TurnInputBuilder
 from sessions_app import branch_services, branches, selectors, services, turn_services
 from sessions_app.models import Message, MessageKind, Role, Session
 
+# The path walk's SQL runs on both databases.
+pytestmark = pytest.mark.both_dbs
+
 # covers: H1
 
 

@@ -146,7 +146,6 @@ class SessionAdmin(
     )
     date_hierarchy = "last_active_at"
     # Messages are searched through the search index (H2, `get_search_results`).
-    # The dialog id too: the web chat's welcome no longer names it (issue 54).
     search_fields = ("title", "dialog_id", "chat_id", "channel", "owner__username")
     actions = (
         "soft_delete_selected",

@@ -39,6 +39,7 @@ from chatcore.common.errors import ChatError, StorageUnavailable
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
 from .file_routes import router as files_router
 from .routes import router
+from .routes_carry import router as carry_router
 from .upload_guard import is_upload, upload_body_limit
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ a Server-Sent Events stream of the WebSocket frames (`queued`, `history_delta`,
 # --- The API and its guards ----------------------------------------------------------------
 
 
+IMPORT_PATH = "/sessions/import"
+
+
 def _error(status: int, code: str, message: str, **extra: Any) -> JsonResponse:
     return JsonResponse({"code": code, "message": message, **extra}, status=status)
 
@@ -73,9 +77,12 @@ def _body_limit(request: HttpRequest | None = None) -> int:
     """The largest request body worth parsing: the content limit at 12 bytes per character
     (a JSON-escaped surrogate pair) plus room for the other fields, and never more than
     Django itself would read. An upload (H3): the file limit plus room for the multipart
-    framing (Django streams its file part to disk, not memory)."""
+    framing (Django streams its file part to disk, not memory). An import (H2) reads its own
+    body, up to its own limit."""
     if request is not None and is_upload(request.method or "", request.path):
         return upload_body_limit()
+    if request is not None and request.path.endswith(IMPORT_PATH):
+        return int(settings.CHAT["IMPORT_MAX_BYTES"])
     limit = int(settings.CHAT["CONTENT_LIMIT"]) * 12 + 64 * 1024
     django_limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     return min(limit, django_limit) if django_limit is not None else limit
@@ -88,9 +95,11 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
         length = int(raw) if raw else None
     except ValueError:
         length = None
+    importing = request.path.endswith(IMPORT_PATH)  # reads its own body, to its own limit
     if (
         length is None
         and request.method not in SAFE_METHODS
+        and not importing
         and not is_upload(request.method or "", request.path)
     ):
         # A chunked body has no declared length; the server has already buffered it. Django
@@ -271,7 +280,9 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     return _error(500, "internal_error", _("Internal error."))
 
 
-# The routers of this app (their routes register on import); files first, as the main
-# router's last route answers every other path.
+# The routers of this app (their routes register on import). Files' and H2's first: the main
+# router's last route answers every other path, and `/sessions/import` must match before
+# `/sessions/{session_id}` does.
 api.add_router("/", files_router)
+api.add_router("/", carry_router)
 api.add_router("/", router)

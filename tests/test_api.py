@@ -50,6 +50,13 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/models": {"get"},
         "/api/v1/files": {"post"},
         "/api/v1/files/{file_id}": {"get"},
+        # H2: search, export, import, share links.
+        "/api/v1/search": {"get"},
+        "/api/v1/sessions/{session_id}/export": {"get"},
+        "/api/v1/sessions/import": {"post"},
+        "/api/v1/sessions/{session_id}/share": {"post"},
+        "/api/v1/shares": {"get"},
+        "/api/v1/shares/{share_id}": {"delete"},
     }
     assert set(paths) == set(expected)
     for path, methods in expected.items():

@@ -19,12 +19,15 @@ from tests.procs import ServeProcess, embedded_env, migrate_embedded
 pytestmark = pytest.mark.slow
 
 CAP = 256 * 1024
+IMPORT_CAP = 2 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     var_dir = tmp_path_factory.mktemp("edges")
-    env = embedded_env(var_dir, CHAT_REQUEST_BODY_MAX_BYTES=str(CAP))
+    env = embedded_env(
+        var_dir, CHAT_REQUEST_BODY_MAX_BYTES=str(CAP), CHAT_IMPORT_MAX_BYTES=str(IMPORT_CAP)
+    )
     migrate_embedded(env)
     with ServeProcess(var_dir, env) as server:
         yield server
@@ -120,6 +123,32 @@ def test_a_body_under_the_cap_reaches_django(served: ServeProcess) -> None:
         f"{served.base}/accounts/login/", data={"username": "x", "password": "y" * 1000}
     )
     assert response.status_code == 403
+
+
+def test_an_import_has_its_own_larger_cap(served: ServeProcess) -> None:
+    # covers: H2, F3 (a dialog's import takes up to CHAT_IMPORT_MAX_BYTES; every other path
+    # keeps the request cap)
+    body = b'{"format": "chatcore.dialog.v1", "messages": []}'.ljust(1024 * 1024)
+    response = httpx.post(
+        f"{served.base}/api/v1/sessions/import",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 401  # reached Django: no login, not 413
+    response = httpx.post(
+        f"{served.base}/api/v1/sessions", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    sock = raw_request(
+        served,
+        b"POST /api/v1/sessions/import HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (IMPORT_CAP + 1),
+    )
+    try:
+        assert read_status(sock) == b"HTTP/1.1 413 Content Too Large"
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("path", ["/static/chat/app.js", "/static/chat/base.css"])

@@ -220,6 +220,19 @@ def command_result_frame(
     }
 
 
+def search_results_frame(
+    *, q: str, items: list[dict[str, Any]], count: int, client_msg_id: str | None = None
+) -> dict[str, Any]:
+    """The answer to a `search` frame (PROTOCOL "Search, export, import")."""
+    return {
+        "type": "search_results",
+        "client_msg_id": client_msg_id,
+        "q": q,
+        "items": items,
+        "count": count,
+    }
+
+
 def error_frame(
     *,
     code: str,

@@ -30,7 +30,7 @@ from audit.trail import Action, audit_dialog
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
-from .. import services
+from .. import search, services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
 from .files import attachments_html, files_url
@@ -145,8 +145,8 @@ class SessionAdmin(
         DeletedFilter,
     )
     date_hierarchy = "last_active_at"
-    # Django adds DISTINCT itself when a search term goes through messages__content.
-    search_fields = ("title", "chat_id", "channel", "owner__username", "messages__content")
+    # Messages are searched through the search index (H2, `get_search_results`).
+    search_fields = ("title", "chat_id", "channel", "owner__username")
     actions = (
         "soft_delete_selected",
         "restore_selected",
@@ -234,6 +234,17 @@ class SessionAdmin(
     @admin.display(description=_("deleted"), boolean=True, ordering="deleted_at")
     def is_deleted_display(self, obj: Session) -> bool:
         return obj.is_deleted
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Session], search_term: str
+    ) -> tuple[QuerySet[Session], bool]:
+        """Django's search over the fields above, or a message holding every word, found
+        through the same index as the users' search (H2), of anyone's dialog."""
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        if not search_term.strip():
+            return found, may_have_duplicates
+        pks = search.session_pks_matching(q=search_term)
+        return found | queryset.filter(pk__in=pks), may_have_duplicates
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # Dialogs are created by their owners through a channel, which checks the chat (A1).

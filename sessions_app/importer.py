@@ -1,0 +1,474 @@
+"""Import of a dialog (SPEC H2, PROTOCOL "Search, export, import"): our `chatcore.dialog.v1`
+JSON, or one conversation of a ChatGPT data export (`mapping` of nodes with `parent` and
+`children`, `current_node`).
+
+The document is read and checked whole first (`parse_document`): any problem raises
+`InvalidDocument` naming the first one, before anything is written. Then one transaction
+writes a new dialog of the caller in their web chat (fresh ids) with its messages, and the
+row's counters as the engine keeps them (A2, A3): `last_seq` (the history revision) = the
+last seq, `total_message_count` = the messages, `message_count` = the user's own; token
+counts are the engine's to make, per message, when a turn first reads them.
+
+Branches: a dialog here is one line of messages (until the message tree of H1), so what is
+imported is the active path: in our JSON from `head_seq` back through `parent_seq`, in a
+ChatGPT conversation from `current_node` back through `parent`. The other branches are
+checked (every parent known, no cycle) but not stored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.utils import timezone
+from django.utils.translation import gettext as _
+
+from audit.trail import Action, Actor, audit_dialog
+from chatcore.common import events, publish
+from chatcore.common.errors import ChatError, TooLarge
+from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
+
+from .export import FORMAT
+from .models import Message, MessageKind, MessageStatus, Role, Session, TitleSource
+from .services import TITLE_MAX, USER_KINDS, new_dialog_id
+from .storage import storage_retry
+
+ROLES = {r.value for r in Role}
+STATUSES = {s.value for s in MessageStatus}
+KINDS = {k.value for k in MessageKind}
+DEFAULT_KIND = {
+    "user": MessageKind.USER_INPUT,
+    "assistant": MessageKind.ASSISTANT,
+    "tool": MessageKind.TOOL_RESULT,
+    "system": MessageKind.WELCOME,
+}
+# ChatGPT's authors; its `tool` and `system` nodes (browsing, code runs, hidden context) have
+# no tool call to pair with here, so only what the user and the assistant wrote comes in.
+CHATGPT_ROLES = {"user", "assistant"}
+WRITE_BATCH = 1000
+
+
+class InvalidDocument(ChatError):
+    """A document that cannot be imported; the message names the first problem."""
+
+    code = "bad_request"
+    http_status = 400
+
+
+@dataclass(slots=True)
+class ImportedMessage:
+    role: str
+    content: str
+    created_at: datetime | None
+    kind: str
+    status: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str = ""
+    tool_name: str = ""
+    media_refs: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ImportedDialog:
+    title: str | None
+    created_at: datetime | None
+    messages: list[ImportedMessage]
+
+
+def max_bytes() -> int:
+    return int(settings.CHAT["IMPORT_MAX_BYTES"])
+
+
+def max_messages() -> int:
+    return int(settings.CHAT["IMPORT_MAX_MESSAGES"])
+
+
+def too_large_message() -> str:
+    return _("The document is larger than %(n)d bytes.") % {"n": max_bytes()}
+
+
+# --- Reading and checking -------------------------------------------------------------------
+
+
+def parse_bytes(raw: bytes) -> ImportedDialog:
+    """The body of `POST /sessions/import`: size, JSON, then `parse_document`."""
+    if len(raw) > max_bytes():
+        raise TooLarge(too_large_message())
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidDocument(
+            _("The document is not valid JSON: %(error)s") % {"error": exc}
+        ) from exc
+    if isinstance(document, list):
+        if len(document) != 1:
+            raise InvalidDocument(
+                _(
+                    "This holds %(n)d conversations; import one at a time here, or a whole "
+                    "export with manage.py import_dialogs."
+                )
+                % {"n": len(document)}
+            )
+        document = document[0]
+    return parse_document(document)
+
+
+def parse_document(document: Any) -> ImportedDialog:
+    if not isinstance(document, dict):
+        raise InvalidDocument(_("The document must be a JSON object."))
+    if document.get("format") == FORMAT:
+        return _ours(document)
+    if "mapping" in document:
+        return _chatgpt(document, where="")
+    if "format" in document:
+        raise InvalidDocument(
+            _("Unknown format %(format)r (expected %(expected)s).")
+            % {"format": str(document["format"])[:60], "expected": FORMAT}
+        )
+    raise InvalidDocument(
+        _("Not a dialog: expected a %(format)s document or a ChatGPT conversation (mapping).")
+        % {"format": FORMAT}
+    )
+
+
+def _title(value: Any, where: str) -> str | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if not isinstance(value, str) or not storable_text(value):
+        raise InvalidDocument(_("%(where)stitle must be text.") % {"where": where})
+    return " ".join(value.split())[:TITLE_MAX]
+
+
+def _time(value: Any, where: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        if isinstance(value, int | float):
+            return datetime.fromtimestamp(float(value), tz=UTC)
+        if isinstance(value, str):
+            parsed = datetime.fromisoformat(value)
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        raise TypeError
+    except (TypeError, ValueError, OverflowError, OSError) as exc:
+        raise InvalidDocument(
+            _("%(where)s: created_at is not a time: %(value)r")
+            % {"where": where, "value": str(value)[:40]}
+        ) from exc
+
+
+def _text(value: Any, where: str, name: str = "content") -> str:
+    if not isinstance(value, str):
+        raise InvalidDocument(
+            _("%(where)s: %(name)s must be text.") % {"where": where, "name": name}
+        )
+    if not storable_text(value):
+        raise InvalidDocument(
+            _("%(where)s: %(name)s holds characters that cannot be stored.")
+            % {"where": where, "name": name}
+        )
+    return value
+
+
+def _count_check(n: int) -> None:
+    if n > max_messages():
+        raise InvalidDocument(
+            _("The dialog has %(n)d messages; at most %(max)d can be imported.")
+            % {"n": n, "max": max_messages()}
+        )
+
+
+def _ours(document: dict[str, Any]) -> ImportedDialog:
+    raw_messages = document.get("messages")
+    if not isinstance(raw_messages, list):
+        raise InvalidDocument(_("messages: missing, or not a list."))
+    _count_check(len(raw_messages))
+    by_seq: dict[int, dict[str, Any]] = {}
+    for index, item in enumerate(raw_messages):
+        where = f"messages[{index}]"
+        if not isinstance(item, dict):
+            raise InvalidDocument(_("%(where)s: not an object.") % {"where": where})
+        for name in ("seq", "role", "content"):
+            if name not in item:
+                raise InvalidDocument(
+                    _("%(where)s: %(name)s is missing.") % {"where": where, "name": name}
+                )
+        seq = item["seq"]
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise InvalidDocument(
+                _("%(where)s: seq must be a positive integer.") % {"where": where}
+            )
+        if seq in by_seq:
+            raise InvalidDocument(
+                _("%(where)s: seq %(seq)d appears twice.") % {"where": where, "seq": seq}
+            )
+        parent = item.get("parent_seq")
+        if parent is not None and (isinstance(parent, bool) or not isinstance(parent, int)):
+            raise InvalidDocument(
+                _("%(where)s: parent_seq must be a seq or null.") % {"where": where}
+            )
+        by_seq[seq] = {**item, "_where": where}
+    # A message without `parent_seq` follows the one before it by seq (a document written
+    # as one line); `null` makes it a first message.
+    previous: int | None = None
+    for seq in sorted(by_seq):
+        by_seq[seq].setdefault("parent_seq", previous)
+        previous = seq
+    for item in by_seq.values():
+        parent = item.get("parent_seq")
+        if parent is not None and parent not in by_seq:
+            raise InvalidDocument(
+                _("%(where)s: parent_seq %(parent)d is not a message of the dialog.")
+                % {"where": item["_where"], "parent": parent}
+            )
+    head = document.get("head_seq")
+    if head is None and by_seq:
+        head = max(by_seq)
+    if head is not None and (
+        not isinstance(head, int) or isinstance(head, bool) or head not in by_seq
+    ):
+        raise InvalidDocument(_("head_seq is not a message of the dialog."))
+    path = _walk(head, lambda seq: by_seq[seq].get("parent_seq"), where="parent_seq")
+    # Every message is checked, also those of the branches not stored.
+    checked = {seq: _our_message(item) for seq, item in by_seq.items()}
+    messages = [checked[seq] for seq in path]
+    return ImportedDialog(
+        title=_title(document.get("title"), ""),
+        created_at=_time(document.get("created_at"), "created_at"),
+        messages=messages,
+    )
+
+
+def _walk(head: Any, parent_of: Any, *, where: str) -> list[Any]:
+    """The path from the root to `head`, oldest first; a cycle is an error."""
+    path: list[Any] = []
+    seen: set[Any] = set()
+    node = head
+    while node is not None:
+        if node in seen:
+            raise InvalidDocument(
+                _("%(where)s: the messages form a cycle at %(node)s.")
+                % {"where": where, "node": str(node)[:60]}
+            )
+        seen.add(node)
+        path.append(node)
+        node = parent_of(node)
+    path.reverse()
+    return path
+
+
+def _our_message(item: dict[str, Any]) -> ImportedMessage:
+    where = item["_where"]
+    role = item["role"]
+    if not isinstance(role, str) or role not in ROLES:
+        raise InvalidDocument(
+            _("%(where)s: role %(role)r is not one of %(roles)s.")
+            % {"where": where, "role": str(role)[:20], "roles": ", ".join(sorted(ROLES))}
+        )
+    kind = item.get("kind") or DEFAULT_KIND[role]
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise InvalidDocument(
+            _("%(where)s: unknown kind %(kind)r.") % {"where": where, "kind": str(kind)[:20]}
+        )
+    status = item.get("status") or ""
+    if not isinstance(status, str) or status not in STATUSES:
+        raise InvalidDocument(
+            _("%(where)s: unknown status %(status)r.")
+            % {"where": where, "status": str(status)[:20]}
+        )
+    tool_calls = item.get("tool_calls")
+    if tool_calls is not None and (
+        not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls)
+    ):
+        raise InvalidDocument(
+            _("%(where)s: tool_calls must be a list of objects.") % {"where": where}
+        )
+    attachments = item.get("attachments") or []
+    if not isinstance(attachments, list):
+        raise InvalidDocument(_("%(where)s: attachments must be a list.") % {"where": where})
+    return ImportedMessage(
+        role=role,
+        content=_text(item["content"], where),
+        created_at=_time(item.get("created_at"), where),
+        kind=kind,
+        status=status,
+        tool_calls=tool_calls or None,
+        tool_call_id=_text(item.get("tool_call_id") or "", where, "tool_call_id")[:128],
+        tool_name=_text(item.get("tool_name") or "", where, "tool_name")[:128],
+        media_refs=attachments,
+    )
+
+
+def _chatgpt(document: dict[str, Any], *, where: str) -> ImportedDialog:
+    mapping = document.get("mapping")
+    if not isinstance(mapping, dict) or not mapping:
+        raise InvalidDocument(
+            _("%(where)smapping: missing, empty or not an object.") % {"where": where}
+        )
+    _count_check(len(mapping))
+    for key, node in mapping.items():
+        if not isinstance(node, dict):
+            raise InvalidDocument(
+                _("%(where)smapping[%(key)r]: not an object.") % {"where": where, "key": key[:60]}
+            )
+        parent = node.get("parent")
+        if parent is not None and (not isinstance(parent, str) or parent not in mapping):
+            raise InvalidDocument(
+                _("%(where)smapping[%(key)r]: parent %(parent)r is not in the mapping.")
+                % {"where": where, "key": key[:60], "parent": str(parent)[:60]}
+            )
+    head = document.get("current_node")
+    if head is None:
+        # No active node named: the newest leaf.
+        leaves = [k for k, n in mapping.items() if not n.get("children")]
+        head = max(leaves, key=lambda k: _node_time(mapping[k]) or 0.0) if leaves else None
+    if not isinstance(head, str) or head not in mapping:
+        raise InvalidDocument(_("%(where)scurrent_node is not in the mapping.") % {"where": where})
+    path = _walk(head, lambda key: mapping[key].get("parent"), where=f"{where}mapping")
+    # Every node is checked, also those of the branches not stored.
+    checked = {
+        key: _chatgpt_message(node, where=f"{where}mapping[{key[:60]!r}]")
+        for key, node in mapping.items()
+    }
+    messages = [m for m in (checked[key] for key in path) if m is not None]
+    return ImportedDialog(
+        title=_title(document.get("title"), where),
+        created_at=_time(document.get("create_time"), f"{where}create_time"),
+        messages=messages,
+    )
+
+
+def _node_time(node: dict[str, Any]) -> float | None:
+    message = node.get("message")
+    if isinstance(message, dict) and isinstance(message.get("create_time"), int | float):
+        return float(message["create_time"])
+    return None
+
+
+def _chatgpt_message(node: dict[str, Any], *, where: str) -> ImportedMessage | None:
+    message = node.get("message")
+    if message is None:
+        return None  # the root
+    if not isinstance(message, dict):
+        raise InvalidDocument(_("%(where)s: message is not an object.") % {"where": where})
+    author = message.get("author")
+    role = author.get("role") if isinstance(author, dict) else None
+    if not isinstance(role, str):
+        raise InvalidDocument(_("%(where)s: author.role is missing.") % {"where": where})
+    if role not in CHATGPT_ROLES | {"system", "tool"}:
+        raise InvalidDocument(
+            _("%(where)s: unknown author role %(role)r.") % {"where": where, "role": role[:20]}
+        )
+    metadata = message.get("metadata")
+    hidden = isinstance(metadata, dict) and metadata.get("is_visually_hidden_from_conversation")
+    content = message.get("content")
+    if content is None:
+        return None
+    if not isinstance(content, dict):
+        raise InvalidDocument(_("%(where)s: content is not an object.") % {"where": where})
+    parts = content.get("parts")
+    if parts is None:
+        text = content.get("text")
+        parts = [text] if isinstance(text, str) else []
+    if not isinstance(parts, list):
+        raise InvalidDocument(_("%(where)s: content.parts is not a list.") % {"where": where})
+    # Images and other non-text parts are left out; their text is kept.
+    text = "\n".join(p for p in parts if isinstance(p, str)).strip()
+    if role not in CHATGPT_ROLES or hidden or not text:
+        return None
+    return ImportedMessage(
+        role=role,
+        content=_text(text, where),
+        created_at=_time(message.get("create_time"), where),
+        kind=DEFAULT_KIND[role],
+    )
+
+
+def chatgpt_conversations(document: Any) -> Iterator[tuple[str, ImportedDialog]]:
+    """A whole ChatGPT `conversations.json`: each conversation checked on its own, with its
+    title for the operator's report (`manage.py import_dialogs`)."""
+    if not isinstance(document, list):
+        raise InvalidDocument(_("A ChatGPT export's conversations.json is a JSON list."))
+    for index, conversation in enumerate(document):
+        if not isinstance(conversation, dict):
+            raise InvalidDocument(_("[%(i)d]: not an object.") % {"i": index})
+        yield str(conversation.get("title") or index), _chatgpt(conversation, where=f"[{index}] ")
+
+
+# --- Writing --------------------------------------------------------------------------------
+
+
+def dialog_import(
+    *, owner: User, dialog: ImportedDialog, announce: bool = True, actor: Actor | None = None
+) -> Session:
+    """Write a checked dialog as a new dialog of `owner`'s web chat, in one transaction, with
+    its audit record (H5; `actor` None: the owner)."""
+    now = timezone.now()
+    key = SessionKey.build("web", owner_chat_id(owner.pk), new_dialog_id())
+
+    def write() -> Session:
+        with transaction.atomic():
+            session = Session(
+                owner=owner,
+                channel=key.channel,
+                chat_id=key.chat_id,
+                dialog_id=key.dialog_id,
+                created_at=dialog.created_at or now,
+                last_active_at=now,
+            )
+            session.title = dialog.title or session.default_title
+            session.title_source = TitleSource.USER if dialog.title else TitleSource.DEFAULT
+            n = len(dialog.messages)
+            session.last_seq = n
+            session.total_message_count = n
+            session.message_count = sum(1 for m in dialog.messages if m.kind in USER_KINDS)
+            session.state_version = 1
+            session.save(force_insert=True)
+            rows = (
+                Message(
+                    session=session,
+                    seq=seq,
+                    role=m.role,
+                    content=m.content,
+                    created_at=m.created_at or now,
+                    tool_calls=m.tool_calls,
+                    tool_call_id=m.tool_call_id,
+                    tool_name=m.tool_name,
+                    media_refs=m.media_refs,
+                    source={"kind": m.kind, "imported": True},
+                    status=m.status,
+                )
+                for seq, m in enumerate(dialog.messages, start=1)
+            )
+            batch: list[Message] = []
+            for row in rows:
+                batch.append(row)
+                if len(batch) >= WRITE_BATCH:
+                    Message.objects.bulk_create(batch)
+                    batch = []
+            if batch:
+                Message.objects.bulk_create(batch)
+            audit_dialog(
+                actor=actor or Actor.of_user(owner),
+                action=Action.DIALOG_IMPORT,
+                session=session,
+                messages=n,
+            )
+            if announce:
+                transaction.on_commit(lambda: _announce(session))
+            return session
+
+    return storage_retry(write, what="dialog_import")
+
+
+def _announce(session: Session) -> None:
+    publish.publish_to_chat(
+        session, events.sessions_changed_frame(session_id=session.session_id, change="created")
+    )

@@ -427,6 +427,7 @@ def dialog_import(
             session.title_source = TitleSource.USER if dialog.title else TitleSource.DEFAULT
             n = len(dialog.messages)
             session.last_seq = n
+            session.head_seq = n  # H1: the imported active path is one straight branch
             session.total_message_count = n
             session.message_count = sum(1 for m in dialog.messages if m.kind in USER_KINDS)
             session.state_version = 1
@@ -435,6 +436,7 @@ def dialog_import(
                 Message(
                     session=session,
                     seq=seq,
+                    parent_seq=seq - 1 or None,
                     role=m.role,
                     content=m.content,
                     created_at=m.created_at or now,

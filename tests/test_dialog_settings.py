@@ -350,14 +350,18 @@ async def test_a_retry_and_a_continue_ask_the_dialogs_model(
     # covers: H4, C6, E5
     s = await api.create(dialog_id="again")
     await api.patch(f"/sessions/{s['session_id']}", {"model": "small-model"})
-    fake_model.script(Reply(status=400, error={"error": {"message": "bad request"}}))
+    fake_model.script(
+        Reply(status=400, error={"error": {"message": "bad request"}}),
+        Reply(text="cut here", finish_reason="length"),
+    )
     ack = await api.send(s["session_id"], "first try")
     assert (await api.turn_done(ack["turn_id"]))["status"] == "failed"
     status, retried = await api.post(f"/sessions/{s['session_id']}/retry")
     assert status == 202, retried
-    fake_model.script(Reply(text="cut here", finish_reason="length"))
     assert (await api.turn_done(retried["turn_id"]))["status"] == "completed"
     status, continued = await api.post(f"/sessions/{s['session_id']}/continue")
     assert status == 202, continued
     assert (await api.turn_done(continued["turn_id"]))["status"] == "completed"
-    assert [r.body["model"] for r in fake_model.requests] == ["small-model"] * 3
+    # The turns' requests (a title's, if one is asked meanwhile, keeps the default model).
+    turns = [r for r in fake_model.requests if SYSTEM_PROMPT in r.purpose_system]
+    assert [r.body["model"] for r in turns] == ["small-model"] * 3

@@ -342,3 +342,26 @@ async def test_the_system_prompt_is_counted_in_the_input(
     without, with_prompt = turn_bodies(fake_model)
     # The answer's room is what the window leaves after the input: the prompt's tokens less.
     assert without["max_tokens"] - with_prompt["max_tokens"] > 500
+
+
+async def test_a_retry_and_a_continue_ask_the_dialogs_model(
+    api: Api, fake_model: FakeModelServer
+) -> None:
+    # covers: H4, C6, E5
+    s = await api.create(dialog_id="again")
+    await api.patch(f"/sessions/{s['session_id']}", {"model": "small-model"})
+    fake_model.script(
+        Reply(status=400, error={"error": {"message": "bad request"}}),
+        Reply(text="cut here", finish_reason="length"),
+    )
+    ack = await api.send(s["session_id"], "first try")
+    assert (await api.turn_done(ack["turn_id"]))["status"] == "failed"
+    status, retried = await api.post(f"/sessions/{s['session_id']}/retry")
+    assert status == 202, retried
+    assert (await api.turn_done(retried["turn_id"]))["status"] == "completed"
+    status, continued = await api.post(f"/sessions/{s['session_id']}/continue")
+    assert status == 202, continued
+    assert (await api.turn_done(continued["turn_id"]))["status"] == "completed"
+    # The turns' requests (a title's, if one is asked meanwhile, keeps the default model).
+    turns = [r for r in fake_model.requests if SYSTEM_PROMPT in r.purpose_system]
+    assert [r.body["model"] for r in turns] == ["small-model"] * 3

@@ -14,11 +14,13 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from chatcore.engine import runtime  # noqa: E402
 from sessions_app.routing import websocket_urlpatterns  # noqa: E402
+from sessions_app.upload_guard import UploadGuard  # noqa: E402
 from sessions_app.ws_auth import ChatAuthMiddleware  # noqa: E402
 
 router = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        # H3: an oversized upload is refused before Django reads its body.
+        "http": UploadGuard(django_asgi_app),
         "websocket": ChatAuthMiddleware(URLRouter(websocket_urlpatterns)),
     }
 )

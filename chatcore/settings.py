@@ -276,6 +276,16 @@ STATIC_URL = "/static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 
+# H3: uploaded files go through Django's storage API: a folder under CHAT_VAR_DIR unless
+# another backend is configured here (README: S3 through django-storages).
+STORAGES: dict[str, Any] = {
+    "default": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": str(VAR_DIR / "files")},
+    },
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+
 # --- The conversation engine (SPEC A8, F6) --------------------------------------------------
 CHAT: dict[str, Any] = {
     "SESSION_TTL_SECONDS": _env_int("CHAT_SESSION_TTL_SECONDS", 24 * 3600),
@@ -288,6 +298,9 @@ CHAT: dict[str, Any] = {
     # H5: audit records older than this are purged by the background sweep (0: kept forever).
     "AUDIT_RETENTION_DAYS": _env_int("CHAT_AUDIT_RETENTION_DAYS", 365),
     "CONTENT_LIMIT": _env_int("CHAT_CONTENT_LIMIT", 65_536),
+    # H3: one upload's bytes, and the files one send may attach.
+    "UPLOAD_MAX_BYTES": _env_int("CHAT_UPLOAD_MAX_BYTES", 20 * 1024 * 1024),
+    "ATTACHMENTS_MAX": _env_int("CHAT_ATTACHMENTS_MAX", 10),
     "FRAME_LIMIT_BYTES": _env_int("CHAT_FRAME_LIMIT_BYTES", 256 * 1024),
     "RATE_LIMIT_PER_MINUTE": _env_int("CHAT_RATE_LIMIT_PER_MINUTE", 120),
     "SNAPSHOT_FPS": _env_int("CHAT_SNAPSHOT_FPS", 20),

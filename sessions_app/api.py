@@ -26,6 +26,7 @@ from django.http import (
     HttpResponseBase,
     JsonResponse,
 )
+from django.http.multipartparser import MultiPartParserError
 from django.urls import URLPattern, URLResolver
 from django.utils.translation import gettext as _
 from ninja import NinjaAPI
@@ -36,8 +37,10 @@ from ninja.parser import Parser
 from chatcore.common.errors import ChatError, StorageUnavailable
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
+from .file_routes import router as files_router
 from .routes import router
 from .routes_carry import router as carry_router
+from .upload_guard import is_upload, upload_body_limit
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +73,15 @@ def _error(status: int, code: str, message: str, **extra: Any) -> JsonResponse:
     return JsonResponse({"code": code, "message": message, **extra}, status=status)
 
 
-def _body_limit(request: HttpRequest) -> int:
+def _body_limit(request: HttpRequest | None = None) -> int:
     """The largest request body worth parsing: the content limit at 12 bytes per character
     (a JSON-escaped surrogate pair) plus room for the other fields, and never more than
-    Django itself would read. An import (H2) reads its own body, up to its own limit."""
-    if request.path.endswith(IMPORT_PATH):
+    Django itself would read. An upload (H3): the file limit plus room for the multipart
+    framing (Django streams its file part to disk, not memory). An import (H2) reads its own
+    body, up to its own limit."""
+    if request is not None and is_upload(request.method or "", request.path):
+        return upload_body_limit()
+    if request is not None and request.path.endswith(IMPORT_PATH):
         return int(settings.CHAT["IMPORT_MAX_BYTES"])
     limit = int(settings.CHAT["CONTENT_LIMIT"]) * 12 + 64 * 1024
     django_limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
@@ -89,7 +96,12 @@ def _precheck(request: HttpRequest) -> HttpResponse | None:
     except ValueError:
         length = None
     importing = request.path.endswith(IMPORT_PATH)  # reads its own body, to its own limit
-    if length is None and request.method not in SAFE_METHODS and not importing:
+    if (
+        length is None
+        and request.method not in SAFE_METHODS
+        and not importing
+        and not is_upload(request.method or "", request.path)
+    ):
         # A chunked body has no declared length; the server has already buffered it. Django
         # refuses to read one over DATA_UPLOAD_MAX_MEMORY_SIZE: that is a 413 too (F8), not
         # Django's HTML 400.
@@ -261,11 +273,16 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
         return _error(413, "too_large", _("The request body is too large."))
     if isinstance(exc, SuspiciousOperation):
         return _error(400, "bad_request", _("Bad request."))
+    if isinstance(exc, MultiPartParserError):
+        # H3: a multipart body without a boundary, or cut short.
+        return _error(400, "bad_request", _("The multipart body could not be read."))
     logger.exception("API request failed: %s %s", request.method, request.path)
     return _error(500, "internal_error", _("Internal error."))
 
 
-# The app's routers (their routes register on import). H2's first: its
-# `/sessions/import` must match before `/sessions/{session_id}` does.
+# The routers of this app (their routes register on import). Files' and H2's first: the main
+# router's last route answers every other path, and `/sessions/import` must match before
+# `/sessions/{session_id}` does.
+api.add_router("/", files_router)
 api.add_router("/", carry_router)
 api.add_router("/", router)

@@ -21,17 +21,18 @@ from typing import Any
 from channels.layers import BaseChannelLayer
 from django.contrib.auth.models import User
 from django.utils import timezone
+from django.utils.translation import gettext as _
 
 from audit.trail import Actor
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db_idempotent
-from chatcore.common.errors import ChatError, ShuttingDown
+from chatcore.common.errors import BadRequest, ChatError, ShuttingDown
 from chatcore.engine import commands
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
 from chatcore.engine.engine import Ack, Engine, Inbound
 from chatcore.engine.sessions import resolve_dialog
 
-from . import selectors
+from . import files, selectors
 from .models import Session
 
 
@@ -43,10 +44,11 @@ def build_inbound(
     content: str,
     mode: str = "send",
     client_msg_id: str = "",
+    attachments: list[dict[str, Any]] | None = None,
 ) -> Inbound:
     """D5: how a first-party channel's message enters the engine, built once: the sender's
     id, the time it was received, and the client's message id as both the idempotency key
-    and what the message replies to."""
+    and what the message replies to. `attachments`: from `resolve_attachments` (H3)."""
     return Inbound(
         owner=user,
         channel=channel,
@@ -57,7 +59,17 @@ def build_inbound(
         client_msg_id=client_msg_id,
         reply_to=client_msg_id or None,
         received_at=timezone.now(),
+        media=tuple(attachments or ()),
     )
+
+
+async def resolve_attachments(user: User, raw: object) -> list[dict[str, Any]]:
+    """H3: a send's `attachments` (file ids) as its message will carry them; a malformed
+    list, too many, or a file that is not the sender's own refuses the send."""
+    ids = files.attachments_check(raw)
+    if not ids:
+        return []
+    return await on_db_idempotent(files.attachments_resolve)(owner_id=user.pk, file_ids=ids)
 
 
 async def run_command(
@@ -159,7 +171,14 @@ class ChannelConnection:
 
     # --- client input ----------------------------------------------------------------------
 
-    def inbound(self, content: str, *, mode: str = "send", client_msg_id: str = "") -> Inbound:
+    def inbound(
+        self,
+        content: str,
+        *,
+        mode: str = "send",
+        client_msg_id: str = "",
+        attachments: list[dict[str, Any]] | None = None,
+    ) -> Inbound:
         return build_inbound(
             user=self.user,
             channel=self.channel,
@@ -167,17 +186,27 @@ class ChannelConnection:
             content=content,
             mode=mode,
             client_msg_id=client_msg_id,
+            attachments=attachments,
         )
 
     async def send_or_command(
-        self, content: str, target: Session, *, mode: str = "send", client_msg_id: str = ""
+        self,
+        content: str,
+        target: Session,
+        *,
+        mode: str = "send",
+        client_msg_id: str = "",
+        attachments: list[dict[str, Any]] | None = None,
     ) -> Ack | commands.CommandResult:
         """A send whose text starts with `/` runs that slash command (B3); anything else is
         submitted (the engine refuses a write into a read-only dialog, `read_only`)."""
         if mode == "send" and commands.is_command(content):
+            if attachments:
+                raise BadRequest(_("A slash command takes no attachments."))
             return await self.command(content, target)
         return await self.engine.submit(
-            self.inbound(content, mode=mode, client_msg_id=client_msg_id), target
+            self.inbound(content, mode=mode, client_msg_id=client_msg_id, attachments=attachments),
+            target,
         )
 
     async def command(self, text: str, target: Session) -> commands.CommandResult:

@@ -32,7 +32,7 @@ from chatcore.engine import commands, limits, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
 
 from . import logins, search, selectors
-from .connection import ChannelConnection
+from .connection import ChannelConnection, resolve_attachments
 from .frames import optional_int, parse_client_frame
 from .models import Session
 from .settings_services import settings_changes
@@ -258,8 +258,13 @@ class ChatConsumer(ChatEventsConsumer):
         if not isinstance(content, str):
             raise BadRequest(_("content must be a string."))
         target = await self._target(data)
+        attachments = await resolve_attachments(self.conn.user, data.get("attachments"))
         answer = await self.conn.send_or_command(
-            content, target, mode=mode, client_msg_id=client_msg_id or ""
+            content,
+            target,
+            mode=mode,
+            client_msg_id=client_msg_id or "",
+            attachments=attachments,
         )
         if isinstance(answer, commands.CommandResult):
             await self._command_done(answer, target, client_msg_id)

@@ -483,5 +483,8 @@ class ChannelDelivery(models.Model):
         return f"{self.channel}:{self.chat_id}:{self.message_id}"
 
 
+# H3: uploaded files live in their own module; imported here so Django registers them.
+from .file_models import File, FileKind, FileUse  # noqa: E402, F401
+
 # H2: share links live in their own module; imported here so Django registers them.
 from .share_models import Share as Share  # noqa: E402

@@ -49,7 +49,7 @@ from chatcore.engine.sessions import dialog_create
 
 from . import selectors, services, usage
 from .api_auth import request_login
-from .connection import build_inbound
+from .connection import build_inbound, resolve_attachments
 from .models import Session
 from .schemas import (
     ID_PATTERN,
@@ -331,6 +331,7 @@ async def post_message(
         content=payload.content,
         mode=payload.mode,
         client_msg_id=payload.client_msg_id or "",
+        attachments=await resolve_attachments(user, [str(i) for i in payload.attachments]),
     )
     if wants_stream(request):
         return await stream(

@@ -8,7 +8,9 @@ fields of a message are left out when absent (the views render with `exclude_uns
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from uuid import UUID
 
+from django.conf import settings
 from ninja import Field, Schema
 from pydantic import AfterValidator, model_validator
 
@@ -45,7 +47,8 @@ class ErrorOut(Schema):
 
     code: str = Field(
         description="bad_request, unauthorized, csrf_failed, not_found, conflict, queue_full, "
-        "too_large, rate_limited, overloaded, shutting_down, storage_error, internal_error"
+        "too_large, unsupported_type, rate_limited, overloaded, shutting_down, storage_error, "
+        "internal_error"
     )
     message: str
 
@@ -175,6 +178,13 @@ class MessageIn(Schema):
         description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
     client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    attachments: list[UUID] = Field(
+        default_factory=list,
+        max_length=settings.CHAT["ATTACHMENTS_MAX"],
+        description="Ids of the caller's own files (POST /files) to send with a `send`, at "
+        "most CHAT_ATTACHMENTS_MAX (default 10); another user's or an unknown file refuses "
+        "the send (422) (H3).",
+    )
     mode: Literal["send", "steer", "inject"] = Field(
         "send",
         description="send: a new turn (C1); steer: joins the running turn at its next step, "
@@ -184,6 +194,20 @@ class MessageIn(Schema):
 
 class RetryIn(Schema):
     client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+
+
+class AttachmentOut(Schema):
+    """A file a message carries (PROTOCOL "Files and images")."""
+
+    file_id: str
+    name: str
+    size: int
+    content_type: str
+    kind: Literal["image", "text", "document"]
+
+
+class FileOut(AttachmentOut):
+    """An uploaded file (POST /files)."""
 
 
 class MessageOut(Schema):
@@ -209,6 +233,9 @@ class MessageOut(Schema):
         "cut answer a continuation goes on with.",
     )
     turn_id: str | None = None
+    attachments: list[AttachmentOut] | None = Field(
+        None, description="The files a user message carries (H3)."
+    )
 
 
 class MessagePageOut(Schema):

@@ -25,6 +25,7 @@ from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
+from .files import file_uses_record, session_delete_with_files
 from .models import (
     Message,
     MessageKind,
@@ -319,7 +320,7 @@ def session_restore(*, session: Session, actor: Actor | None = None) -> Session:
 
 
 def session_purge(*, session: Session, actor: Actor | None = None) -> None:
-    """Physical delete with cascade (A7)."""
+    """Physical delete with cascade (A7), and the files only it used (H3)."""
     _purge_one(session.pk, actor or Actor.system())
 
 
@@ -338,8 +339,9 @@ def _purge_one(pk: str, actor: Actor) -> None:
     def write() -> None:
         with transaction.atomic():
             # H5: the record names the dialog as it was; nothing is recorded if it is gone.
-            gone = Session.objects.filter(pk=pk).first()
-            if gone is not None and Session.objects.filter(pk=pk).delete()[0]:
+            gone = Session.objects.select_for_update().filter(pk=pk).first()
+            if gone is not None:
+                session_delete_with_files(session_pk=pk)  # H3: and the files only it used
                 audit_dialog(actor=actor, action=Action.DIALOG_PURGE, session=gone, purged=True)
 
     storage_retry(write, what="purge")
@@ -413,6 +415,8 @@ def append_locked(
     # G6: every turn writes here (its user message, its answer): one INSERT and one UPDATE
     # without the ORM's query compilation (`rows`).
     rows_insert(rows)
+    if any(m.media_refs for m in messages):
+        file_uses_record(session_pk=locked.pk, refs=[r for m in messages for r in m.media_refs])
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
     locked.total_message_count += len(rows)

@@ -9,6 +9,7 @@ import secrets
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
 
 
 def new_share_id() -> str:
@@ -24,17 +25,25 @@ class Share(models.Model):
 
     id = models.CharField(primary_key=True, max_length=32, default=new_share_id, editable=False)
     owner = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="shares"
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        related_name="shares",
+        verbose_name=_("owner"),
     )
     session = models.ForeignKey(
-        "sessions_app.Session", on_delete=models.CASCADE, related_name="shares"
+        "sessions_app.Session",
+        on_delete=models.CASCADE,
+        related_name="shares",
+        verbose_name=_("dialog"),
     )
-    title = models.CharField(max_length=200)
+    title = models.CharField(_("title"), max_length=200)
     # [{role, content, created_at, status?, tool_name?, tool_calls?}], oldest first.
-    messages = models.JSONField(default=list)
-    created_at = models.DateTimeField(default=timezone.now)
+    messages = models.JSONField(_("messages"), default=list)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
 
     class Meta:
+        verbose_name = _("share link")
+        verbose_name_plural = _("share links")
         app_label = "sessions_app"
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["owner", "created_at"], name="idx_share_owner")]

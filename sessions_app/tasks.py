@@ -44,7 +44,7 @@ def compact_session(session_pk: str, manual: bool = False) -> int | None:
 @shared_task(acks_late=True, soft_time_limit=300, time_limit=360)
 def purge_deleted_sessions() -> int:
     from audit.trail import audit_purge_expired
-    from sessions_app import services
+    from sessions_app import files, services
 
     count = services.sessions_purge_expired()
     if count:
@@ -53,6 +53,10 @@ def purge_deleted_sessions() -> int:
     records = audit_purge_expired()
     if records:
         logger.info("purged %d audit records past retention", records)
+    # H3: uploads older than a day that no message attached.
+    swept = files.files_sweep_unused()
+    if swept:
+        logger.info("swept %d unused uploads", swept)
     return count
 
 

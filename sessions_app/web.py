@@ -92,6 +92,15 @@ def js_strings() -> dict[str, str]:
         "steer": _("steer"),
         "context": _("context"),
         "linked_group": _("%(platform)s (linked)"),
+        "attach_pasted": _("pasted image"),
+        "attach_too_many": _("At most %(n)s files per message."),
+        "attach_too_large": _("%(name)s is too large (at most %(limit)s)."),
+        "attach_failed": _("Upload failed."),
+        "attach_refused": _("%(name)s was not attached: %(message)s"),
+        "attach_uploading": _("Uploading %(name)s"),
+        "attach_ready": _("%(name)s attached."),
+        "attach_remove": _("Remove %(name)s"),
+        "attach_wait": _("Wait until the files have uploaded."),
         "read_only": _("read-only"),
         "read_only_placeholder": _("Read-only dialog"),
         "read_only_note": _(
@@ -113,6 +122,10 @@ def chat_page(request: HttpRequest) -> HttpResponse:
         "csrf_token": get_token(request),
         "language": get_language() or settings.LANGUAGE_CODE,
         "content_limit": settings.CHAT["CONTENT_LIMIT"],
+        # H3: uploads (static/chat/attachments.js).
+        "files_url": reverse("api-v1:upload_file"),
+        "upload_max_bytes": settings.CHAT["UPLOAD_MAX_BYTES"],
+        "attachments_max": settings.CHAT["ATTACHMENTS_MAX"],
         "user": {"username": user.get_username(), "display_name": display_name},
         "strings": {**js_strings(), **settings_strings()},
         # H4: the model picker, the settings panel and the usage under each answer.

@@ -26,7 +26,7 @@ FEISHU_APP_ID = "cli_test"
 FEISHU_APP_SECRET = "feishu-secret"
 FEISHU_BOT_OPEN_ID = "ou_bot"
 
-Response = tuple[int, dict[str, str], dict[str, Any]]
+Response = tuple[int, dict[str, str], dict[str, Any] | bytes]
 
 
 @dataclass
@@ -67,6 +67,8 @@ class FakeServer(ABC):
         self.calls: list[Call] = []
         self.messages: list[PlatformMessage] = []
         self.failures: list[Failure] = []
+        # Files users sent (H3), by file id / key, for the download methods.
+        self.files: dict[str, bytes] = {}
         self.early_calls = 0
         self.blocked_until: dict[str, float] = {}
         self._ids = itertools.count(1001)
@@ -107,6 +109,13 @@ class FakeServer(ABC):
     # --- reading what users see -------------------------------------------------------------
     def next_id(self) -> str:
         return str(next(self._ids))
+
+    def add_file(self, data: bytes) -> str:
+        """Keep `data` as a file users sent; its id/key for an update or event (H3)."""
+        key = f"file-{self.next_id()}"
+        with self.lock:
+            self.files[key] = data
+        return key
 
     def bot_messages(self, chat_id: str | None = None) -> list[PlatformMessage]:
         with self.lock:
@@ -149,9 +158,12 @@ class FakeServer(ABC):
                 query = {k: v[0] for k, v in parse_qs(parts.query).items()}
                 body = json.loads(raw) if raw else {}
                 status, extra, payload = await self.dispatch(verb, parts.path, query, headers, body)
-                data = json.dumps(payload, ensure_ascii=False).encode()
+                # A file download (H3) answers its bytes; everything else JSON.
+                raw_file = isinstance(payload, bytes)
+                data = payload if raw_file else json.dumps(payload, ensure_ascii=False).encode()
+                content_type = "application/octet-stream" if raw_file else "application/json"
                 head_out = (
-                    f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+                    f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\n"
                     f"Content-Length: {len(data)}\r\n"
                     + "".join(f"{k}: {v}\r\n" for k, v in extra.items())
                     + "\r\n"
@@ -228,9 +240,25 @@ class FakeTelegram(FakeServer):
         return 200, {}, {"ok": True, "result": result}
 
     async def route(self, method: str, call: Call) -> Response:
+        if call.path.startswith(f"/file/bot{TELEGRAM_TOKEN}/"):
+            # H3: a file's bytes, at the path getFile gave.
+            data = self.files.get(call.path.rsplit("/", 1)[-1])
+            return (200, {}, data) if data is not None else self.error(404, "Not Found")
         if not call.path.startswith(f"/bot{TELEGRAM_TOKEN}/"):
             return self.error(401, "Unauthorized")
         body = call.body
+        if method == "getFile":
+            data = self.files.get(str(body.get("file_id")))
+            if data is None:
+                return self.error(400, "Bad Request: invalid file_id")
+            return self.ok(
+                {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(data),
+                    "file_path": f"documents/{body['file_id']}",
+                }
+            )
         if method == "getMe":
             return self.ok({"id": BOT_ID, "is_bot": True, "username": BOT_USERNAME})
         if method == "setMyCommands":
@@ -296,7 +324,11 @@ class FakeTelegram(FakeServer):
         reply_to_bot: bool = True,
         update_id: int | None = None,
         language_code: str = "en",
+        photo: bytes | None = None,
+        document: tuple[str, bytes] | None = None,
     ) -> dict[str, Any]:
+        """`photo` / `document` (name, bytes): a message with that file and `text` as its
+        caption, as Telegram sends them (H3)."""
         message: dict[str, Any] = {
             "message_id": int(self.next_id()),
             "date": int(time.time()),
@@ -310,6 +342,19 @@ class FakeTelegram(FakeServer):
             },
             "text": text,
         }
+        if photo is not None or document is not None:
+            message["caption"] = message.pop("text")
+        if photo is not None:
+            key = self.add_file(photo)
+            # Telegram lists the sizes it made, the largest last.
+            message["photo"] = [
+                {"file_id": "thumb-" + key, "width": 90, "height": 90, "file_size": 100},
+                {"file_id": key, "width": 800, "height": 600, "file_size": len(photo)},
+            ]
+        if document is not None:
+            name, data = document
+            key = self.add_file(data)
+            message["document"] = {"file_id": key, "file_name": name, "file_size": len(data)}
         if reply_to is not None:
             sender = {"id": BOT_ID, "is_bot": True} if reply_to_bot else {"id": 1, "is_bot": False}
             message["reply_to_message"] = {"message_id": int(reply_to), "from": sender}
@@ -340,6 +385,8 @@ class FakeFeishu(FakeServer):
             return "bot_info"
         if path.endswith("/reply"):
             return "reply"
+        if "/resources/" in path:
+            return "resource"
         if verb == "PATCH":
             return "update"
         return "create"
@@ -375,6 +422,12 @@ class FakeFeishu(FakeServer):
             return self.error(99991663, "invalid access token", status=401)
         if method == "bot_info":
             return 200, {}, {"code": 0, "msg": "ok", "bot": {"open_id": FEISHU_BOT_OPEN_ID}}
+        if method == "resource":
+            # H3: GET im/v1/messages/{message_id}/resources/{key}?type=image|file
+            data = self.files.get(call.path.rsplit("/", 1)[-1])
+            if data is None or call.query.get("type") not in ("image", "file"):
+                return self.error(234003, "file not found", status=400)
+            return 200, {}, data
         if method in ("create", "reply"):
             if method == "reply":
                 parent_id = call.path.split("/")[-2]

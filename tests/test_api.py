@@ -48,6 +48,8 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/sessions/{session_id}/continue": {"post"},
         "/api/v1/turns/{turn_id}": {"get"},
         "/api/v1/models": {"get"},
+        "/api/v1/files": {"post"},
+        "/api/v1/files/{file_id}": {"get"},
         # H2: search, export, import, share links.
         "/api/v1/search": {"get"},
         "/api/v1/sessions/{session_id}/export": {"get"},

@@ -54,6 +54,14 @@ class TooLarge(ChatError):
     default_message = _("Too large.")
 
 
+class UnsupportedType(ChatError):
+    """An upload whose bytes are nothing a model can be given (H3)."""
+
+    code = "unsupported_type"
+    http_status = 415
+    default_message = _("This type of file is not supported.")
+
+
 class QueueFull(ChatError):
     code = "queue_full"
     http_status = 409

@@ -36,6 +36,9 @@ def message_frame(message: Any) -> dict[str, Any]:
         data["source"] = source
     if message.turn_id:
         data["turn_id"] = str(message.turn_id)
+    if getattr(message, "media_refs", None):
+        # H3: the files a user message carries.
+        data["attachments"] = message.media_refs
     return data
 
 

@@ -15,7 +15,7 @@ from django.conf import settings
 from audit.trail import audit_purge_expired
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
-from sessions_app import services, storage
+from sessions_app import files, services, storage
 
 from . import queue
 
@@ -90,6 +90,7 @@ async def sweep_loop(engine: ControlHandler) -> None:
                 engine.evict_idle()
                 await on_db(services.sessions_purge_expired)()
                 await on_db(audit_purge_expired)()  # H5
+                await on_db(files.files_sweep_unused)()
         except asyncio.CancelledError:
             raise
         except Exception:

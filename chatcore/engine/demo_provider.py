@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .provider_types import Completion, ProviderEvent, TextDelta, ToolCall
+from .turns.attachments import text_of
 
 
 class DemoProvider:
@@ -34,7 +35,7 @@ class DemoProvider:
         model: str | None = None,
     ) -> AsyncIterator[ProviderEvent]:
         users = [m for m in messages if m.get("role") == "user"]
-        last_user = _strip_runtime(str(users[-1]["content"])) if users else ""
+        last_user = _strip_runtime(text_of(users[-1]["content"])) if users else ""
         if purpose == "title":
             words = _strip_runtime(_transcript_first_user(messages)).split()
             yield Completion(text=" ".join(words[:5]) or "Demo dialog")
@@ -75,7 +76,7 @@ def _strip_runtime(text: str) -> str:
 def _transcript_first_user(messages: list[dict[str, Any]]) -> str:
     for m in messages:
         if m.get("role") == "user":
-            content = str(m["content"])
+            content = text_of(m["content"])
             for line in content.splitlines():
                 if line.lower().startswith("user:"):
                     return line[5:].strip()

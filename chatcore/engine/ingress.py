@@ -55,6 +55,9 @@ class Inbound:
             data["reply_to"] = self.reply_to
         if self.client_msg_id:
             data["client_msg_id"] = self.client_msg_id
+        if self.media:
+            # H3: the attachments of a send, moved into its message's `attachments`.
+            data["attachments"] = list(self.media)
         if self.channel_context:
             # D5: the platform's own context, opaque here, handed back to its sink.
             data["context"] = self.channel_context
@@ -102,8 +105,9 @@ class StopResult:
         return " ".join(parts)
 
 
-def check_content(content: object, *, cfg: dict[str, Any]) -> str:
-    if not isinstance(content, str) or not content.strip():
+def check_content(content: object, *, cfg: dict[str, Any], attachments: bool = False) -> str:
+    """A message's text; empty only beside attachments (H3)."""
+    if not isinstance(content, str) or not (content.strip() or (attachments and not content)):
         raise BadRequest(_("The message is empty."))
     if not storable_text(content):
         raise BadRequest(_("The message contains characters that cannot be stored."))
@@ -124,7 +128,9 @@ async def check_inbound(
         raise ShuttingDown()
     if inbound.mode not in MODES:
         raise BadRequest(_("Unknown mode %(mode)s.") % {"mode": inbound.mode})
-    check_content(inbound.content, cfg=cfg)
+    if inbound.media and inbound.mode != "send":
+        raise BadRequest(_("Attachments go with a send, not with a steer or inject."))
+    check_content(inbound.content, cfg=cfg, attachments=bool(inbound.media))
     if len(inbound.client_msg_id) > 128:
         raise BadRequest(_("client_msg_id is too long (at most 128 characters)."))
     external = session.channel not in FIRST_PARTY_CHANNELS

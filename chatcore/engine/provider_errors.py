@@ -21,6 +21,15 @@ _OVERFLOW = re.compile(
     re.IGNORECASE,
 )
 
+# H3: a model server that cannot take image parts says so in its 400 (OpenAI: "image_url is
+# only supported by certain models"; vLLM: "... is not a multimodal model"; others: "does
+# not support images", "... required for image input").
+_IMAGES = re.compile(
+    r"image_url|image input|images? (?:is|are) not supported|not support(?:ed)? (?:for )?images?"
+    r"|does not support images?|vision|multi-?modal",
+    re.IGNORECASE,
+)
+
 
 def classify_http_error(status: int, body: str) -> ProviderError:
     """Map an HTTP error from the model server to a typed error (E5)."""
@@ -39,6 +48,10 @@ def classify_http_error(status: int, body: str) -> ProviderError:
     if _OVERFLOW.search(code) or _OVERFLOW.search(detail):
         return ProviderError(
             "context_overflow", "the conversation is too long for the model", status=status
+        )
+    if status in (400, 415, 422) and (_IMAGES.search(code) or _IMAGES.search(detail)):
+        return ProviderError(
+            "images_unsupported", "the model server refused the image parts", status=status
         )
     if status in (401, 403):
         return ProviderError("auth", "the model server refused the credentials", status=status)

@@ -100,6 +100,9 @@ def message_bytes(message: Message) -> int:
     size = 2 * sys.getsizeof(message.content) + MESSAGE_OVERHEAD_BYTES
     if message.tool_calls:
         size += len(str(message.tool_calls))
+    for ref in message.media_refs or ():
+        # H3: an attachment's part of the model form: base64 in it and again in its JSON.
+        size += int(ref.get("size", 0)) * 8 // 3
     return size
 
 

@@ -29,6 +29,9 @@ MESSAGE_OVERHEAD = 4
 # Text is handed to the tokenizer in slices of this many characters (its own guard refuses
 # inputs past 1,000,000 characters; a split word costs at most a token per slice).
 SLICE_CHARS = 32_000
+# H3: what one image part is counted as: OpenAI's figure for a 1024x1024 image at high detail
+# (vision models of other servers take a few hundred to about a thousand).
+IMAGE_TOKENS = 765
 
 
 # CJK symbols and punctuation to unified ideographs, and Hangul syllables.
@@ -66,11 +69,20 @@ class TokenCounter:
         return total
 
     def count_message(self, item: dict[str, Any]) -> int:
-        """One OpenAI-format message: its content, its tool calls, and the format overhead."""
-        text = str(item.get("content") or "")
+        """One OpenAI-format message: its content, its tool calls, and the format overhead.
+        H3: a content of parts counts its text parts' text and each image as IMAGE_TOKENS."""
+        content = item.get("content") or ""
+        images = 0
+        if isinstance(content, list):
+            images = sum(1 for p in content if isinstance(p, dict) and p.get("type") != "text")
+            text = "\n".join(
+                str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+            )
+        else:
+            text = str(content)
         if item.get("tool_calls"):
             text += json.dumps(item["tool_calls"], ensure_ascii=False)
-        return self.count_text(text) + MESSAGE_OVERHEAD
+        return self.count_text(text) + MESSAGE_OVERHEAD + images * IMAGE_TOKENS
 
 
 @lru_cache(maxsize=8)

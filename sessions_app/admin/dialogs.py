@@ -22,6 +22,7 @@ from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.utils.html import format_html
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -32,6 +33,7 @@ from chatcore.engine.dialogs import delete_dialog
 from .. import search, services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
+from .files import attachments_html, files_url
 from .history import AuditHistoryMixin, ViewRecordedMixin, admin_actor
 from .settings import (
     DIALOG_SETTINGS_FIELDSET,
@@ -80,7 +82,7 @@ class MessageInline(admin.TabularInline):
     model = Message
     formset = MessageWindowFormSet
     template = "admin/sessions_app/session/message_inline.html"
-    fields = ("seq", "role", "content_preview", "status", "created_at")
+    fields = ("seq", "role", "content_preview", "attachments", "status", "created_at")
     readonly_fields = fields
     ordering = ("seq",)
     extra = 0
@@ -101,6 +103,10 @@ class MessageInline(admin.TabularInline):
         # Long answers are cut here; the message's own page shows all of it. An answer that
         # only calls tools shows its calls (H5 polish).
         return message_preview(obj, INLINE_CONTENT_CHARS)
+
+    @admin.display(description=_("attachments"))
+    def attachments(self, obj: Message) -> str:
+        return attachments_html(obj.media_refs or [])  # H3
 
 
 class SessionAdminForm(DialogSettingsFormMixin, forms.ModelForm):
@@ -172,6 +178,7 @@ class SessionAdmin(
                     "deleted_at",
                     "message_count",
                     "total_message_count",
+                    "files_link",
                 )
             },
         ),
@@ -204,6 +211,7 @@ class SessionAdmin(
         "deleted_at",
         "message_count",
         "total_message_count",
+        "files_link",
         "last_seq",
         "state_version",
         "turn_counter",
@@ -212,6 +220,12 @@ class SessionAdmin(
         "plan",
         "usage_display",
     )
+
+    @admin.display(description=_("files"))
+    def files_link(self, obj: Session) -> str:
+        # H3: the files this dialog's messages attached.
+        count = obj.file_uses.count()
+        return format_html('<a href="{}">{}</a>', files_url(session=obj.pk), count)
 
     @admin.display(description=_("session id"))
     def session_id_display(self, obj: Session) -> str:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import IO, Any
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -39,6 +39,7 @@ from chatcore.engine.engine import Engine, Inbound
 
 from ..connection import run_command
 from . import store
+from .media import PlatformMedia, store_all, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class IncomingMessage:
     # The sender's language when the platform tells it (Telegram's language_code), F5.
     language: str = ""
     received_at: datetime = field(default_factory=timezone.now)
+    # H3: the photos, images, documents and files it carries (`media.py`).
+    media: tuple[PlatformMedia, ...] = ()
 
 
 class PlatformClient(ABC):
@@ -98,6 +101,12 @@ class PlatformClient(ABC):
     async def send_text(self, chat_id: str, text: str, *, reply_to: str | None) -> str:
         """Send plain text (no markup), e.g. a command's reply or a fallback."""
         ...
+
+    async def download(
+        self, message: IncomingMessage, media: PlatformMedia
+    ) -> tuple[IO[bytes], int]:
+        """H3: a file of an inbound message, as a temporary file and its size."""
+        raise unavailable()
 
     async def aclose(self) -> None:
         return None
@@ -293,11 +302,19 @@ async def _handle(
                 await on_db(store.event_accept)(claim)
             await client.send_text(message.chat_id, result.content, reply_to=message.message_id)
             return "command"
+        # H3: its files, stored as uploads of the dialog's owner (who reads the dialog, also
+        # on the web when linked; in a group, not every sender); a message with files is a
+        # send.
+        attachments = await store_all(client, message, owner_id=ctx.current.owner_id)
         mode = "send"
-        if message.reply_to_message_id and await on_db(store.running_turn_of_message)(
-            channel=message.channel,
-            chat_id=message.chat_id,
-            message_id=message.reply_to_message_id,
+        if (
+            message.reply_to_message_id
+            and not attachments
+            and await on_db(store.running_turn_of_message)(
+                channel=message.channel,
+                chat_id=message.chat_id,
+                message_id=message.reply_to_message_id,
+            )
         ):
             # C4: a reply to the answer being written steers it.
             mode = "steer"
@@ -312,6 +329,7 @@ async def _handle(
             reply_to=message.message_id,
             received_at=message.received_at,
             channel_context=_context(message),
+            media=tuple(attachments),
             accept=functools.partial(store.event_accept, claim) if claim is not None else None,
         )
         await engine.submit(inbound, ctx.current)

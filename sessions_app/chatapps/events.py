@@ -63,11 +63,24 @@ class TelegramReplied(_Shape):
     from_: TelegramUser | None = Field(default=None, alias="from")
 
 
+class TelegramFile(_Shape):
+    """A photo size or a document (H3): what the adapter downloads by `file_id`."""
+
+    file_id: str = Field(min_length=1, max_length=512)
+    file_size: int | None = None
+    file_name: str | None = None
+    mime_type: str | None = None
+
+
 class TelegramMessage(_Shape):
     message_id: int
     chat: TelegramChat
     from_: TelegramUser | None = Field(default=None, alias="from")
     text: str | None = None
+    # H3: a photo (its sizes, smallest first) or a document, with its text as a caption.
+    caption: str | None = None
+    photo: list[TelegramFile] | None = None
+    document: TelegramFile | None = None
     reply_to_message: TelegramReplied | None = None
 
 

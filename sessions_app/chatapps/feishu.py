@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from django.conf import settings
@@ -45,6 +45,7 @@ from .base import (
     settle_event,
 )
 from .events import Malformed, feishu_envelope, load_json
+from .media import PlatformMedia, download, unavailable
 from .render import feishu_markdown
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,16 @@ def _card(markdown: str) -> str:
         },
         ensure_ascii=False,
     )
+
+
+def _media(kind: str, content: dict[str, Any], message_id: str) -> tuple[PlatformMedia, ...]:
+    """H3: the image (`image_key`) or file (`file_key`, `file_name`) of a message."""
+    if kind == "image" and content.get("image_key"):
+        return (PlatformMedia(str(content["image_key"]), f"image-{message_id}.png", kind="image"),)
+    if kind == "file" and content.get("file_key"):
+        name = str(content.get("file_name") or "file")
+        return (PlatformMedia(str(content["file_key"]), name, kind="file"),)
+    return ()
 
 
 class FeishuClient(PlatformClient):
@@ -170,6 +181,21 @@ class FeishuClient(PlatformClient):
 
     async def send(self, chat_id: str, rendered: str, *, reply_to: str | None) -> str:
         return await self._post(chat_id, "interactive", _card(rendered), reply_to)
+
+    async def download(
+        self, message: IncomingMessage, media: PlatformMedia
+    ) -> tuple[IO[bytes], int]:
+        """H3: a message's image or file (`im/v1/messages/{id}/resources/{key}`)."""
+        try:
+            token = await self.token()
+        except (DeliveryError, httpx.HTTPError, ValueError):
+            raise unavailable() from None
+        return await download(
+            self.http,
+            f"{self.base}/open-apis/im/v1/messages/{message.message_id}/resources/{media.key}",
+            params={"type": media.kind},
+            headers={"Authorization": f"Bearer {token}"},
+        )
 
     async def edit(self, chat_id: str, message_id: str, rendered: str) -> None:
         await self.call("PATCH", f"im/v1/messages/{message_id}", {"content": _card(rendered)})
@@ -285,7 +311,8 @@ class FeishuAdapter(Adapter):
         body = event.get("event") or {}
         message = body.get("message") or {}
         sender = body.get("sender") or {}
-        if sender.get("sender_type") not in (None, "user") or message.get("message_type") != "text":
+        kind = message.get("message_type")
+        if sender.get("sender_type") not in (None, "user") or kind not in ("text", "image", "file"):
             return None
         try:
             # Checked to be a JSON object (`events.feishu_event`); orjson bounds its nesting.
@@ -294,7 +321,10 @@ class FeishuAdapter(Adapter):
             return None
         if not isinstance(content, dict):
             return None
-        text = str(content.get("text", ""))
+        text = str(content.get("text", "")) if kind == "text" else ""
+        media = _media(str(kind), content, str(message.get("message_id", "")))
+        if kind != "text" and not media:
+            return None
         chat_id = message.get("chat_id")
         sender_id = (sender.get("sender_id") or {}).get("open_id")
         if not chat_id or not sender_id or not message.get("message_id"):
@@ -321,6 +351,7 @@ class FeishuAdapter(Adapter):
             text=text,
             addressed=not is_group or mentioned or replied,
             reply_to_message_id=str(parent) if parent else None,
+            media=media,
         )
 
     async def handle_event(self, event: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Any
+from typing import IO, Any
 
 import httpx
 from django.conf import settings
@@ -41,6 +41,7 @@ from .base import (
     settle_event,
 )
 from .events import Malformed, telegram_update
+from .media import PlatformMedia, download, unavailable
 from .render import telegram_html
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,20 @@ class TelegramClient(PlatformClient):
         result = await self.call("sendMessage", payload)
         return str(result["message_id"])
 
+    async def download(
+        self, message: IncomingMessage, media: PlatformMedia
+    ) -> tuple[IO[bytes], int]:
+        """H3: `getFile`, then the file's bytes from the Bot API's file path."""
+        try:
+            found = await self.call("getFile", {"file_id": media.key})
+        except DeliveryError:
+            raise unavailable() from None
+        path = str((found or {}).get("file_path") or "")
+        if not path:
+            raise unavailable()
+        cfg = config()
+        return await download(self.http, f"{cfg['API_BASE']}/file/bot{cfg['BOT_TOKEN']}/{path}")
+
     async def aclose(self) -> None:
         await self.http.aclose()
 
@@ -169,7 +184,9 @@ class TelegramAdapter(Adapter):
         message = update.get("message")
         if not isinstance(message, dict):
             return None
-        text = message.get("text")
+        media = _media(message)
+        # H3: a photo or document carries its text as a caption.
+        text = message.get("caption", "") if media else message.get("text")
         chat = message.get("chat") or {}
         sender = message.get("from") or {}
         if not isinstance(text, str) or "id" not in chat or "id" not in sender:
@@ -207,6 +224,7 @@ class TelegramAdapter(Adapter):
             addressed=addressed,
             reply_to_message_id=str(reply["message_id"]) if "message_id" in reply else None,
             language=str(sender.get("language_code") or ""),
+            media=media,
         )
 
     async def handle_update(self, update: dict[str, Any]) -> str:
@@ -232,6 +250,31 @@ class TelegramAdapter(Adapter):
             )
         finally:
             await client.aclose()
+
+
+def _media(message: dict[str, Any]) -> tuple[PlatformMedia, ...]:
+    """H3: the file of a message: a photo (its largest size) or a document."""
+    photos = message.get("photo")
+    if isinstance(photos, list) and photos and isinstance(photos[-1], dict):
+        largest = photos[-1]
+        if largest.get("file_id"):
+            return (
+                PlatformMedia(
+                    key=str(largest["file_id"]),
+                    name=f"photo-{message.get('message_id', '')}.jpg",
+                    size=largest.get("file_size"),
+                ),
+            )
+    document = message.get("document")
+    if isinstance(document, dict) and document.get("file_id"):
+        return (
+            PlatformMedia(
+                key=str(document["file_id"]),
+                name=str(document.get("file_name") or "document"),
+                size=document.get("file_size"),
+            ),
+        )
+    return ()
 
 
 def _strip_mention(text: str, mention: str) -> str:

@@ -86,7 +86,7 @@ def _run(statements: dict[str, list[str]]):
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("sessions_app", "0014_audit"),
+        ("sessions_app", "0012_files"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

@@ -4,6 +4,14 @@
  * note. A sent message shows at once as a pending bubble with its queue chip until the
  * server's delta brings the stored one (or says why it was not sent).
  */
+import {
+  attachmentsBusy,
+  attachmentsView,
+  bindAttachments,
+  clearAttachments,
+  readyAttachments,
+  restoreAttachments,
+} from "./attachments.js";
 import { platformName } from "./format.js";
 import { clearTurnNote, scrollToBottom, updateEmpty } from "./render.js";
 import { history, store } from "./state.js";
@@ -23,8 +31,12 @@ export function renderPending() {
     }
     var node = el("div", "msg msg-user msg-pending");
     node.dataset.clientMsgId = p.id;
-    var bubble = el("div", "bubble", p.content);
-    node.appendChild(bubble);
+    if (p.attachments && p.attachments.length) {
+      node.appendChild(attachmentsView(p.attachments));
+    }
+    if (p.content) {
+      node.appendChild(el("div", "bubble", p.content));
+    }
     var meta = el("div", "pending-meta");
     if (p.error || p.unconfirmed) {
       node.classList.add("msg-failed");
@@ -35,10 +47,11 @@ export function renderPending() {
       meta.appendChild(actionButton(p.unconfirmed ? t("resend") : t("edit"), function () {
         dropPending(p);
         if (p.unconfirmed) {
-          sendMessage(p.content);
+          sendMessage(p.content, p.attachments);
         } else {
           var input = $("composer-input");
           input.value = p.content;
+          restoreAttachments(p.attachments);
           autosize();
           updateSendButton();
           input.focus();
@@ -88,17 +101,31 @@ export function autosize() {
 
 export function updateSendButton() {
   var input = $("composer-input");
-  $("send-button").disabled = !input.value.trim() || !isOpen() || input.disabled;
+  var filled = input.value.trim() || readyAttachments().length;
+  $("send-button").disabled = !filled || attachmentsBusy() || !isOpen() || input.disabled;
 }
 
-function sendMessage(content) {
+function sendMessage(content, attachments) {
   if (!isOpen()) {
     toast(t("offline_cannot_send"), "error");
     return false;
   }
   var id = randomId();
   var frame = aim({ type: "send", content: content, client_msg_id: id });
-  store.addPending({ id: id, sessionId: history.sessionId, content: content, turnId: null });
+  var refs = attachments || [];
+  if (refs.length) {
+    // H3: the uploaded files go with the send by id.
+    frame.attachments = refs.map(function (ref) {
+      return ref.file_id;
+    });
+  }
+  store.addPending({
+    id: id,
+    sessionId: history.sessionId,
+    content: content,
+    attachments: refs,
+    turnId: null,
+  });
   send(frame);
   clearTurnNote();
   renderPending();
@@ -111,7 +138,12 @@ function submitComposer() {
   var input = $("composer-input");
   var content = input.value;
   var trimmed = content.trim();
-  if (!trimmed) {
+  var attachments = readyAttachments();
+  if (attachmentsBusy()) {
+    toast(t("attach_wait"), "error");
+    return;
+  }
+  if (!trimmed && !attachments.length) {
     return;
   }
   if (!isOpen()) {
@@ -126,14 +158,15 @@ function submitComposer() {
     toast(t("too_long", { n: length, limit: CONTENT_LIMIT }), "error");
     return;
   }
-  if (trimmed.charAt(0) === "/") {
+  if (trimmed.charAt(0) === "/" && !attachments.length) {
     // Slash commands go to the server as they are (B3); it answers each one.
     if (!sendCommand(trimmed, false)) {
       return;
     }
-  } else if (!sendMessage(content)) {
+  } else if (!sendMessage(trimmed ? content : "", attachments)) {
     return;
   }
+  clearAttachments();
   input.value = "";
   autosize();
   updateSendButton();
@@ -215,4 +248,5 @@ export function bindComposer() {
     }
   });
   $("stop-button").addEventListener("click", stopTurn);
+  bindAttachments(updateSendButton);
 }

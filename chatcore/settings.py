@@ -291,6 +291,12 @@ CHAT: dict[str, Any] = {
     "SESSION_TTL_SECONDS": _env_int("CHAT_SESSION_TTL_SECONDS", 24 * 3600),
     "CLEANUP_INTERVAL_SECONDS": _env_int("CHAT_CLEANUP_INTERVAL_SECONDS", 60 * 60),
     "AUTO_TITLE_AFTER": _env_int("CHAT_AUTO_TITLE_AFTER", 10),
+    # B4: a first title after the dialog's first completed answer; the threshold's replaces it.
+    "FIRST_TITLE": _env_bool("CHAT_FIRST_TITLE", True),
+    # B4: seconds before each retry of a failed title (at most this many retries).
+    "TITLE_RETRY_DELAYS": [
+        float(x) for x in _env_list("CHAT_TITLE_RETRY_DELAYS", "5,20,60") if x.strip()
+    ],
     "STORAGE_RETRY_DELAYS_MS": [100, 200, 300],
     "QUEUE_CAPACITY": _env_int("CHAT_QUEUE_CAPACITY", 32),
     "GLOBAL_ADMISSION_BOUND": _env_int("CHAT_GLOBAL_ADMISSION_BOUND", 10_000),

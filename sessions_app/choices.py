@@ -11,6 +11,8 @@ from django.utils.translation import gettext_lazy as _
 class TitleSource(models.TextChoices):
     DEFAULT = "default", _("default")
     USER = "user", _("user")
+    # B4: made after the first completed answer; the threshold's title still replaces it.
+    FIRST = "first", _("first answer")
     AUTO = "auto", _("auto")
     OPERATOR = "operator", _("operator")
 

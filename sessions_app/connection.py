@@ -197,10 +197,12 @@ class ChannelConnection:
         mode: str = "send",
         client_msg_id: str = "",
         attachments: list[dict[str, Any]] | None = None,
+        literal: bool = False,
     ) -> Ack | commands.CommandResult:
-        """A send whose text starts with `/` runs that slash command (B3); anything else is
-        submitted (the engine refuses a write into a read-only dialog, `read_only`)."""
-        if mode == "send" and commands.is_command(content):
+        """A send whose text starts with `/` runs that slash command (B3) unless the client
+        marked it `literal` (PROTOCOL `send`: "/usr/bin/python crashes" is a message);
+        anything else is submitted (the engine refuses a write into a read-only dialog)."""
+        if mode == "send" and not literal and commands.is_command(content):
             if attachments:
                 raise BadRequest(_("A slash command takes no attachments."))
             return await self.command(content, target)

@@ -26,8 +26,8 @@ from django.utils.translation import gettext as _
 from audit.trail import scope_ip
 from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
-from chatcore.common.errors import BadRequest, ChatError, InternalError, NotFound, RateLimited
-from chatcore.common.ids import FIRST_PARTY_CHANNELS, owner_chat_id, validate_part
+from chatcore.common.errors import BadRequest, ChatError, InternalError, RateLimited
+from chatcore.common.ids import owner_chat_id, validate_part
 from chatcore.engine import commands, limits, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
 
@@ -236,12 +236,9 @@ class ChatConsumer(ChatEventsConsumer):
         assert self.user is not None
         if not isinstance(raw, str) or len(raw) > 200:
             raise BadRequest(_("session_id must be a string."))
-        session = selectors.session_get_for_owner(owner_id=self.user.pk, session_id=raw)
-        own_chat = session.channel == CHANNEL and session.chat_id == self.chat_id
-        if not own_chat and session.channel in FIRST_PARTY_CHANNELS:
-            # Dialogs of the API or the terminal are not part of the web chat.
-            raise NotFound(_("Dialog not found."))
-        return session
+        # Any live dialog of this user: the web chat's, their API and terminal dialogs (the
+        # sidebar lists them, issue 54) and linked chat-app dialogs (A1).
+        return selectors.session_get_for_owner(owner_id=self.user.pk, session_id=raw)
 
     async def _on_send(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         await self._submit(data, client_msg_id, "send")
@@ -257,6 +254,9 @@ class ChatConsumer(ChatEventsConsumer):
         content = data.get("content")
         if not isinstance(content, str):
             raise BadRequest(_("content must be a string."))
+        literal = data.get("literal", False)
+        if not isinstance(literal, bool):
+            raise BadRequest(_("literal must be true or false."))
         target = await self._target(data)
         attachments = await resolve_attachments(self.conn.user, data.get("attachments"))
         answer = await self.conn.send_or_command(
@@ -265,6 +265,7 @@ class ChatConsumer(ChatEventsConsumer):
             mode=mode,
             client_msg_id=client_msg_id or "",
             attachments=attachments,
+            literal=literal,
         )
         if isinstance(answer, commands.CommandResult):
             await self._command_done(answer, target, client_msg_id)

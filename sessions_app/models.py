@@ -41,6 +41,9 @@ class Session(models.Model):
     title_source = models.CharField(
         _("title source"), max_length=16, choices=TitleSource.choices, default=TitleSource.DEFAULT
     )
+    # B4: failed attempts at the title now due (reset when a title commits); at most
+    # 1 + CHAT["TITLE_RETRIES"] attempts per title.
+    title_attempts = models.PositiveSmallIntegerField(_("title attempts"), default=0)
     created_at = models.DateTimeField(_("created"), default=timezone.now)
     last_active_at = models.DateTimeField(_("last active"), default=timezone.now, db_index=True)
     # A2: message_count counts user messages only; total counts everything in history.

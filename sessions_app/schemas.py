@@ -34,7 +34,11 @@ def _storable(value: str) -> str:
     return value
 
 
-Text = Annotated[str, AfterValidator(_storable)]
+# Length limits go on the string itself, before `_storable` runs: set after it, pydantic
+# checks them as a generic length and speaks of "items" (issue 54).
+Title = Annotated[str, Field(min_length=1, max_length=TITLE_MAX), AfterValidator(_storable)]
+Content = Annotated[str, Field(min_length=1), AfterValidator(_storable)]
+ClientMsgId = Annotated[str, Field(max_length=CLIENT_MSG_ID_MAX), AfterValidator(_storable)]
 IdPart = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
 
@@ -74,17 +78,19 @@ class SessionCreateIn(Schema):
     dialog_id: IdPart | None = Field(
         None, description="Omitted: a new random id. An id of a live dialog answers 409."
     )
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
+    title: Title | None = None
 
 
 class SessionRenameIn(Schema):
     """PATCH a dialog: any of its title, model and system prompt (H4); omitted = unchanged."""
 
-    title: Annotated[Text, Field(min_length=1, max_length=TITLE_MAX)] | None = None
-    model: Annotated[Text, Field(min_length=1, max_length=200)] | None = Field(
-        None, description="One of the ids of `GET /models`; anything else answers 400."
+    title: Title | None = None
+    model: Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_storable)] | None = (
+        Field(None, description="One of the ids of `GET /models`; anything else answers 400.")
     )
-    system_prompt: Annotated[Text, Field(max_length=SYSTEM_PROMPT_MAX)] | None = Field(
+    system_prompt: (
+        Annotated[str, Field(max_length=SYSTEM_PROMPT_MAX), AfterValidator(_storable)] | None
+    ) = Field(
         None,
         description="The dialog's own instructions, sent in the first (system) message "
         "after the platform's; empty clears them.",
@@ -174,10 +180,10 @@ class SessionListOut(Schema):
 
 
 class MessageIn(Schema):
-    content: Annotated[Text, Field(min_length=1)] = Field(
+    content: Content = Field(
         description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
     )
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
     attachments: list[UUID] = Field(
         default_factory=list,
         max_length=settings.CHAT["ATTACHMENTS_MAX"],
@@ -193,7 +199,7 @@ class MessageIn(Schema):
 
 
 class RetryIn(Schema):
-    client_msg_id: Annotated[Text, Field(max_length=CLIENT_MSG_ID_MAX)] | None = None
+    client_msg_id: ClientMsgId | None = None
 
 
 class AttachmentOut(Schema):

@@ -418,14 +418,20 @@ def session_get_for_writer(*, owner_id: int, session_id: str) -> Session:
     return session
 
 
-def linked_dialogs_for_user(*, user_id: int, limit: int = 50) -> list[tuple[Session, bool]]:
-    """The chat-app dialogs of the accounts an operator linked to this web user, most
-    recently active first, each with whether it is read-only for them (A1)."""
-    sessions = list(
-        live_sessions_for_owner(owner_id=user_id)
-        .exclude(channel__in=FIRST_PARTY_CHANNELS)
-        .order_by("-last_active_at", "-created_at")[:limit]
-    )
+def linked_dialogs_for_user(
+    *, user_id: int, limit: int = 50, besides: tuple[str, str] | None = None
+) -> list[tuple[Session, bool]]:
+    """The user's dialogs outside their web chat, most recently active first, each with
+    whether it is read-only for them: the chat-app dialogs of the accounts an operator linked
+    to them (A1) and, with `besides` (the web chat's channel and chat id), their own dialogs
+    of the API and the terminal too (issue 54: a dialog made by `POST /sessions` shows in the
+    web chat's list; never read-only, they are the user's own)."""
+    query = live_sessions_for_owner(owner_id=user_id)
+    if besides is None:
+        query = query.exclude(channel__in=FIRST_PARTY_CHANNELS)
+    else:
+        query = query.exclude(channel=besides[0], chat_id=besides[1])
+    sessions = list(query.order_by("-last_active_at", "-created_at")[:limit])
     if not sessions:
         return []
     writable = dict(

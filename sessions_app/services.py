@@ -53,7 +53,10 @@ TITLE_MAX = 200
 # --- Dialogs ------------------------------------------------------------------------------
 
 
-def _welcome_text(dialog_id: str) -> str:
+def _welcome_text(dialog_id: str, channel: str) -> str:
+    if channel == "web":
+        # Issue 54: the web chat has a list and menus, not commands to learn first.
+        return _("New dialog started. Rename or delete it from its menu in your list of dialogs.")
     return _(
         "New dialog created! Dialog id: %(dialog_id)s\n"
         "Use /sessions to list your dialogs and /switch <id> to change dialog."
@@ -143,7 +146,7 @@ def session_create_with_history(
                 session=session,
                 seq=1,
                 role=Role.SYSTEM,
-                content=_welcome_text(key.dialog_id),
+                content=_welcome_text(key.dialog_id, key.channel),
                 created_at=now,
                 source={"kind": MessageKind.WELCOME},
             )
@@ -196,26 +199,6 @@ def session_rename(
     return session
 
 
-def title_commit_if_default(*, session_pk: str, title: str) -> Session | None:
-    """Commit an automatic title only if the title is still the default and the dialog still
-    exists (B4): a person's rename always wins, also against a late result."""
-    clean = clean_title(title)
-
-    def write() -> int:
-        with transaction.atomic():
-            return Session.objects.filter(
-                pk=session_pk, title_source=TitleSource.DEFAULT, deleted_at__isnull=True
-            ).update(
-                title=clean, title_source=TitleSource.AUTO, state_version=F("state_version") + 1
-            )
-
-    if not storage_retry(write, what="title_commit"):
-        return None
-    session = Session.objects.get(pk=session_pk)
-    publish.publish_to_chat(session, events.session_updated_frame(session=session))
-    return session
-
-
 def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     """Put the default title back (an operator's "regenerate title"), so the title job may
     replace it."""
@@ -224,7 +207,10 @@ def title_reset(*, session: Session, actor: Actor | None = None) -> Session:
     def write() -> None:
         with transaction.atomic():
             Session.objects.filter(pk=session.pk).update(
-                title=new, title_source=TitleSource.DEFAULT, state_version=F("state_version") + 1
+                title=new,
+                title_source=TitleSource.DEFAULT,
+                title_attempts=0,
+                state_version=F("state_version") + 1,
             )
             audit_dialog(
                 actor=actor,

@@ -18,13 +18,15 @@ logger = logging.getLogger(__name__)
     autoretry_for=(DatabaseError,),
     retry_backoff=True,
     max_retries=3,
-    soft_time_limit=60,
-    time_limit=90,
+    # B4: the job retries a failed title itself, after CHAT_TITLE_RETRY_DELAYS (85 s by
+    # default) and up to four model calls.
+    soft_time_limit=300,
+    time_limit=330,
 )
-def generate_title(session_pk: str) -> str | None:
+def generate_title(session_pk: str, stage: str = "auto") -> str | None:
     from chatcore.engine import jobs
 
-    return asyncio.run(jobs.generate_title(session_pk=session_pk))
+    return asyncio.run(jobs.generate_title(session_pk=session_pk, stage=stage))
 
 
 @shared_task(

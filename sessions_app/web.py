@@ -83,7 +83,7 @@ def js_strings() -> dict[str, str]:
         "copy_code": _("Copy code"),
         "image": _("Image: %(label)s"),
         "empty_title": _("Hello, %(name)s"),
-        "empty_body": _("Ask anything. Type / for commands, such as /help."),
+        "empty_body": _("Ask anything: your first message starts the dialog."),
         "loading_older": _("Loading earlier messages…"),
         "esc_to_stop": _("Esc to stop"),
         "hint": _("Enter to send · Shift+Enter for a new line"),
@@ -103,6 +103,26 @@ def js_strings() -> dict[str, str]:
         "attach_wait": _("Wait until the files have uploaded."),
         "read_only": _("read-only"),
         "read_only_placeholder": _("Read-only dialog"),
+        # Issue 54: the web chat in daily use.
+        "new_dialog": _("New dialog"),
+        "draft_unsaved": _("saved with its first message"),
+        "queued_returned": _(
+            "Stopped. Your queued message was not sent; its text is back in the composer."
+        ),
+        "send_as_message": _("Send as a message"),
+        "draft_command": _("Send a first message to start this dialog, then use commands on it."),
+        "notice_truncated": _("The answer was cut off because it reached the length limit."),
+        "notice_filtered": _("The model's content filter stopped the answer."),
+        "notice_empty": _("The model returned an empty answer."),
+        "channel_api": _("API dialogs"),
+        "channel_cli": _("Terminal dialogs"),
+        "shortcut_new_dialog": _("Start a new dialog"),
+        "shortcut_search": _("Search your dialogs"),
+        "shortcut_send": _("Send the message"),
+        "shortcut_new_line": _("New line in the message"),
+        "shortcut_edit_last": _("Edit your last message (in an empty composer)"),
+        "shortcut_stop": _("Stop the answer, or close what is open"),
+        "shortcut_help": _("Show these shortcuts"),
         "read_only_note": _(
             "This %(platform)s dialog is read-only for you: its messages and answers appear "
             "here, but you write to it from %(platform)s."

@@ -26,7 +26,6 @@ from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db_idempotent
-from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from chatcore.engine.clientstate import session_history_frame, sessions_frame
 from chatcore.engine.engine import Engine
 
@@ -37,6 +36,8 @@ from .models import Session
 logger = logging.getLogger(__name__)
 
 CHANNEL = "web"
+# The user's first-party chats besides the web chat, listed in its sidebar (issue 54).
+OWN_OTHER_CHANNELS = ("api", "cli")
 # Several `sessions_changed` events within this window produce one `sessions` frame.
 SESSIONS_COALESCE_SECONDS = 0.05
 # Sent to this connection's own channel to refresh `sessions` (see `_sessions_changed`).
@@ -160,13 +161,17 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         await self._send(frame)
 
     async def _join_linked(self, frame: dict[str, Any]) -> None:
-        """Follow the chats of the linked chat-app dialogs a `sessions` frame lists (their
-        deltas, terminals and renames reach this connection as the web chat's do)."""
+        """Follow the chats of the other dialogs a `sessions` frame lists (linked chat-app
+        dialogs, the user's API and terminal dialogs): their deltas, terminals and renames
+        reach this connection as the web chat's do."""
         groups = {
             publish.chat_group(item["channel"], item["chat_id"])
             for item in frame["items"]
-            if item["channel"] not in FIRST_PARTY_CHANNELS
+            if (item["channel"], item["chat_id"]) != (CHANNEL, self.chat_id)
         }
+        # The user's own API and terminal chats even before they hold a dialog: one made by
+        # `POST /sessions` appears in the list at once (its `sessions_changed`).
+        groups |= {publish.chat_group(channel, self.chat_id) for channel in OWN_OTHER_CHANNELS}
         for group in groups - self.linked_groups:
             await self.channel_layer.group_add(group, self.channel_name)
         for group in self.linked_groups - groups:

@@ -135,8 +135,10 @@ class Tab:
         return str(self.page.locator(".dialog-item.is-current").get_attribute("data-dialog-id"))
 
     def new_dialog(self) -> str:
+        """A new stored dialog, made by typing `/new` (the "New dialog" button only opens a
+        draft, stored with its first message)."""
         before = self.current_dialog()
-        self.page.locator("#new-dialog").click()
+        self.send("/new")
         self.page.wait_for_function(
             "prev => { const el = document.querySelector('.dialog-item.is-current');"
             " return el && el.dataset.dialogId !== prev; }",

@@ -14,6 +14,10 @@ import pytest
 from django.contrib.auth import get_user_model
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
+# B4's first title asks the model after every dialog's first answer: the tests that are not
+# about titles keep their scripted replies for turns (servers they start inherit this too);
+# the title tests turn it on.
+os.environ.setdefault("CHAT_FIRST_TITLE", "0")
 _counter = itertools.count(1)
 
 
@@ -49,6 +53,14 @@ def require_postgresql() -> None:
         if IN_CI:
             pytest.fail(reason + " (CI must run it)")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_first_titles() -> None:
+    """The in-process side of CHAT_FIRST_TITLE=0 above (settings may load before it)."""
+    from django.conf import settings
+
+    settings.CHAT["FIRST_TITLE"] = os.environ["CHAT_FIRST_TITLE"] not in ("0", "false", "no")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -29,6 +29,9 @@ class Reply:
     endless: bool = False
     # Wait for this event (set from the test) before finishing the stream.
     gate: threading.Event | None = None
+    # Wait for this event after the response's headers, before the first chunk (a model slow
+    # to its first token).
+    first_token_gate: threading.Event | None = None
     usage: dict[str, Any] | None = None
     # The finish reason of the last chunk (default: tool_calls when there are calls, else
     # stop), e.g. "length" or "content_filter".
@@ -247,6 +250,9 @@ class FakeModelServer:
             )
 
         try:
+            if reply.first_token_gate is not None:
+                while not reply.first_token_gate.is_set():
+                    await asyncio.sleep(0.01)
             text = reply.text
             for i in range(0, len(text), max(1, reply.chunk)):
                 await send_event(chunk({"content": text[i : i + reply.chunk]}))

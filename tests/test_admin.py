@@ -176,7 +176,7 @@ def test_change_page_shows_messages_in_seq_order(client: Client, operator: Any, 
     body = response.content.decode()
     positions = [
         body.index(text)
-        for text in ("New dialog created", "first question", "the answer", "second question")
+        for text in ("New dialog started", "first question", "the answer", "second question")
     ]
     assert positions == sorted(positions)
     formset = response.context["inline_admin_formsets"][0].formset

@@ -58,7 +58,13 @@ def model(fake_model) -> Model:
 
 def _cfg(fake_model, **chat: Any) -> dict[str, Any]:
     return {
-        "CHAT": {**settings.CHAT, "AUTO_TITLE_AFTER": 2, "RATE_LIMIT_PER_MINUTE": 10_000, **chat},
+        "CHAT": {
+            **settings.CHAT,
+            "AUTO_TITLE_AFTER": 2,
+            "RATE_LIMIT_PER_MINUTE": 10_000,
+            "TITLE_RETRY_DELAYS": [0.05, 0.1, 0.2],
+            **chat,
+        },
         "LLM": {**settings.LLM, "BASE_URL": fake_model.url, "RETRY_BASE_DELAY": 0.01},
     }
 

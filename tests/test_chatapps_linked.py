@@ -170,7 +170,7 @@ async def test_the_sessions_frame_lists_linked_dialogs_with_their_platform(
         "hello from telegram",
         "echo: hello from telegram",
     ]
-    # Both names at once, another user's dialog, an API dialog: refused.
+    # Both names at once, another user's dialog: refused.
     answer = await ws.ask(
         {
             "type": "history",
@@ -189,10 +189,11 @@ async def test_the_sessions_frame_lists_linked_dialogs_with_their_platform(
     api_dialog = await sync_to_async(Session.objects.create)(
         owner=user, channel="api", chat_id=f"u{user.pk}", dialog_id="api1", title="api"
     )
+    # The user's own API dialog is theirs to open in the web chat (its list shows it too).
     answer = await ws.ask(
         {"type": "history", "session_id": api_dialog.session_id, "client_msg_id": "a"}
     )
-    assert answer["code"] == "not_found"
+    assert answer["type"] == "session_history" and answer["session_id"] == api_dialog.session_id
 
 
 async def test_a_followed_linked_dialog_streams_its_turns_live(

@@ -45,7 +45,10 @@ async def test_an_injected_celery_scheduler_enqueues_the_title_job_by_name(
             ack = await send(engine, session, text)
             await terminals(rec, [ack.turn_id])
     # Due after the first turn (welcome, user, answer); the pending guard keeps it to one.
-    assert sent == [("sessions_app.tasks.generate_title", {"session_pk": session.pk})]
+    # The job carries the title's stage (B4), decided here rather than by the worker.
+    assert sent == [
+        ("sessions_app.tasks.generate_title", {"session_pk": session.pk, "stage": "auto"})
+    ]
 
 
 async def test_each_engine_runs_its_own_jobs(make_engine, fake_model, recorder, user):

@@ -250,8 +250,14 @@ def test_new_dialog_has_exactly_one_welcome_message(user: Any) -> None:
     assert welcome.seq == 1
     assert welcome.role == Role.SYSTEM
     assert welcome.source["kind"] == MessageKind.WELCOME
-    assert "work" in welcome.content
-    assert "/sessions" in welcome.content and "/switch" in welcome.content
+    # The web chat's welcome speaks of the web chat (issue 54) ...
+    assert welcome.content.startswith("New dialog started.") and "/switch" not in welcome.content
+    # ... other channels' names the dialog and the commands (B2).
+    cli = services.session_create(
+        owner=user, channel="cli", chat_id=f"u{user.pk}", dialog_id="work"
+    )
+    text = Message.objects.get(session=cli).content
+    assert "work" in text and "/sessions" in text and "/switch" in text
     session = fresh(session)
     assert session.message_count == 0
     assert session.total_message_count == 1
@@ -278,7 +284,8 @@ def test_new_dialog_without_an_id_gets_a_valid_generated_one(user: Any) -> None:
     for s in (a, b):
         assert validate_part(s.dialog_id, field="dialog_id") == s.dialog_id
         assert fresh(s).title == f"Dialog {s.dialog_id}"
-        assert s.dialog_id in Message.objects.get(session=s).content
+    api = services.session_create(owner=user, channel="api", chat_id=f"u{user.pk}")
+    assert api.dialog_id in Message.objects.get(session=api).content  # B2: named in its welcome
 
 
 @pytest.mark.parametrize("title", ["", "   ", "x" * 201])

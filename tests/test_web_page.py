@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = (
     "vendor/marked/marked.umd.js",
     "vendor/dompurify/purify.min.js",
+    "vendor/highlight/highlight.min.js",
     "chat/history.js",
     "chat/app.js",
 )
@@ -122,6 +123,11 @@ def test_static_files_exist() -> None:
     # The vendored builds are the browser (UMD) ones, with their banners intact.
     assert "marked v" in (vendor / "marked" / "marked.umd.js").read_text()[:300]
     assert "DOMPurify" in (vendor / "dompurify" / "purify.min.js").read_text()[:300]
+    # Issue 54: highlight.js's browser build and its two themes.
+    assert (vendor / "highlight" / "LICENSE").is_file() and "highlight/" in readme
+    assert "Highlight.js v" in (vendor / "highlight" / "highlight.min.js").read_text()[:300]
+    for theme in ("github.min.css", "github-dark.min.css"):
+        assert finders.find(f"vendor/highlight/{theme}"), theme
 
 
 def test_app_never_writes_unsanitised_html() -> None:

@@ -43,8 +43,9 @@ def sessions_frame(
     linked: bool = False,
 ) -> dict[str, Any]:
     """PROTOCOL `sessions`: the chat's live dialogs, most recently active first; with
-    `linked`, then the chat-app dialogs linked to this user (A1), each with its `channel`,
-    `chat_id` and whether it is `read_only` for them."""
+    `linked`, then the user's other dialogs (their API and terminal dialogs, and the chat-app
+    dialogs linked to them, A1), each with its `channel`, `chat_id` and whether it is
+    `read_only` for them."""
     items = [
         events.session_item(s)
         for s in selectors.dialog_list_for_chat(
@@ -54,7 +55,9 @@ def sessions_frame(
     if linked:
         items += [
             events.session_item(s, read_only=read_only)
-            for s, read_only in selectors.linked_dialogs_for_user(user_id=owner_id, limit=limit)
+            for s, read_only in selectors.linked_dialogs_for_user(
+                user_id=owner_id, limit=limit, besides=(channel, chat_id)
+            )
         ]
     return events.sessions_frame(current=current, items=items)
 

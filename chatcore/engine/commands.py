@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib.auth.models import User
 from django.utils.translation import gettext as _
-from django.utils.translation import gettext_lazy
+from django.utils.translation import gettext_lazy, ngettext
 
 from audit.trail import Actor
 from chatcore.common.dbthreads import on_db
@@ -129,7 +129,11 @@ def _require_current(ctx: CommandContext) -> Session:
 
 def _line(session: Session, current: Session | None) -> str:
     marker = "*" if current is not None and current.pk == session.pk else "-"
-    return _("%(marker)s %(id)s — %(title)s (%(n)d messages)") % {
+    return ngettext(
+        "%(marker)s %(id)s — %(title)s (%(n)d message)",
+        "%(marker)s %(id)s — %(title)s (%(n)d messages)",
+        session.message_count,
+    ) % {
         "marker": marker,
         "id": session.dialog_id,
         "title": session.title,

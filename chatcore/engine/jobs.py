@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db
-from sessions_app import services, turn_services
+from sessions_app import titles, turn_services
 from sessions_app.models import Compaction, Message, MessageKind, Session, TitleSource
 
 from .provider import provider_from_settings
@@ -48,24 +48,40 @@ def guard_key(job: str, session_pk: str) -> str:
     return f"bg:{job}:{session_pk}"
 
 
-def title_due(*, session_pk: str) -> bool:
-    """After a completed turn: is a title due (B4)? A live dialog with its default title and
-    enough messages."""
+def title_due(*, session_pk: str) -> str | None:
+    """After a completed turn: the title due (B4), as `title_stage` says, or None."""
     session = (
         Session.objects.filter(pk=session_pk)
-        .only("message_count", "title_source", "deleted_at")
+        .only("message_count", "title_source", "title_attempts", "deleted_at")
         .first()
     )
-    return session is not None and title_due_of(session)
+    return None if session is None else title_stage(session)
 
 
-def title_due_of(session: Session) -> bool:
+def title_due_of(session: Session) -> str | None:
     """`title_due` on a dialog row already at hand (the one a turn's commit locked)."""
-    return (
-        session.deleted_at is None
-        and session.title_source == TitleSource.DEFAULT
+    return title_stage(session)
+
+
+def title_stage(session: Session) -> str | None:
+    """B4: which title a live dialog is due, as the source it would be committed with: the
+    seed's (`auto`) once message_count reaches the threshold while the title is still a
+    machine's or the default, else a first one (`first`) after the first completed answer
+    while it is the default; None when a person named it, it is deleted, or the title now due
+    failed 1 + TITLE_RETRIES times."""
+    if session.deleted_at is not None:
+        return None
+    if session.title_attempts > len(settings.CHAT["TITLE_RETRY_DELAYS"]):
+        return None
+    source = session.title_source
+    if (
+        source in (TitleSource.DEFAULT, TitleSource.FIRST)
         and session.message_count >= settings.CHAT["AUTO_TITLE_AFTER"]
-    )
+    ):
+        return TitleSource.AUTO
+    if source == TitleSource.DEFAULT and settings.CHAT["FIRST_TITLE"] and session.message_count:
+        return TitleSource.FIRST
+    return None
 
 
 def _transcript(messages: list[Message], limit_chars: int = 12000) -> str:
@@ -87,9 +103,14 @@ def _clean_title(raw: str) -> str:
 # --- Titles (B4) --------------------------------------------------------------------------
 
 
-def _title_input(session_pk: str) -> tuple[list[dict[str, str]], int] | None:
+def _title_input(session_pk: str, stage: str) -> list[dict[str, str]] | None:
+    """The title prompt, or None when the title is no longer for a machine to make: a person
+    named the dialog, it is gone, a title of this stage already landed, or its attempts ran
+    out. Whether it is due was decided where the turn ended (its settings, not this worker's)."""
     session = Session.objects.filter(pk=session_pk, deleted_at__isnull=True).first()
-    if session is None or session.title_source != TitleSource.DEFAULT:
+    if session is None or session.title_source not in replaceable_by(stage):
+        return None
+    if session.title_attempts > len(settings.CHAT["TITLE_RETRY_DELAYS"]):
         return None
     messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
     transcript = _transcript(messages, limit_chars=6000)
@@ -99,23 +120,52 @@ def _title_input(session_pk: str) -> tuple[list[dict[str, str]], int] | None:
     return [
         {"role": "system", "content": prompt},
         {"role": "user", "content": "History:\n" + transcript},
-    ], session.state_version
+    ]
 
 
-async def generate_title(*, session_pk: str, provider: ChatProvider | None = None) -> str | None:
-    """Capture the prompt, ask the model outside any lock, commit only over a default title.
-    Failures are warnings and change nothing. Idempotent."""
+def replaceable_by(stage: str) -> tuple[str, ...]:
+    """The title sources a title of `stage` may replace (B4): a first title only the default;
+    the seed's (`auto`, also an operator's regenerate) the default and a first title."""
+    if stage == TitleSource.FIRST:
+        return (TitleSource.DEFAULT,)
+    return (TitleSource.DEFAULT, TitleSource.FIRST)
+
+
+class _Failed:
+    """An attempt at a title that failed (retried after a delay, B4)."""
+
+
+_FAILED = _Failed()
+
+
+async def generate_title(
+    *, session_pk: str, stage: str = TitleSource.AUTO, provider: ChatProvider | None = None
+) -> str | None:
+    """Capture the prompt, ask the model outside any lock, commit only over the default or a
+    first title (B4: a person's rename always wins). A failed attempt is a logged warning,
+    counted on the dialog, and retried after the next of TITLE_RETRY_DELAYS (backing off) while
+    any is left. Idempotent; returns the committed title or None."""
+    delays = settings.CHAT["TITLE_RETRY_DELAYS"]
     try:
-        return await _generate_title(session_pk, provider)
+        while True:
+            outcome = await _generate_title(session_pk, stage, provider)
+            if not isinstance(outcome, _Failed):
+                return outcome
+            attempts = await on_db(titles.title_attempt_failed)(session_pk=session_pk)
+            if attempts > len(delays):
+                logger.warning("title given up after %d attempts", attempts)
+                return None
+            await asyncio.sleep(delays[attempts - 1])
     finally:
         await on_db(cache.delete)(guard_key("generate_title", session_pk))
 
 
-async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str | None:
-    captured = await on_db(_title_input)(session_pk)
-    if captured is None:
+async def _generate_title(
+    session_pk: str, stage: str, provider: ChatProvider | None
+) -> str | None | _Failed:
+    messages = await on_db(_title_input)(session_pk, stage)
+    if messages is None:
         return None
-    messages, _version = captured
     own = provider is None
     provider = provider or provider_from_settings()
     try:
@@ -123,8 +173,10 @@ async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str
         title = _clean_title(raw)
         if not title:
             logger.warning("title generation returned nothing", extra={"session_id": session_pk})
-            return None
-        session = await on_db(services.title_commit_if_default)(session_pk=session_pk, title=title)
+            return _FAILED
+        session = await on_db(titles.title_commit_if_default)(
+            session_pk=session_pk, title=title, source=stage
+        )
         return session.title if session is not None else None
     except asyncio.CancelledError:
         raise
@@ -132,7 +184,7 @@ async def _generate_title(session_pk: str, provider: ChatProvider | None) -> str
         logger.warning(
             "title generation failed: %s", type(exc).__name__, extra={"session_id": session_pk}
         )
-        return None
+        return _FAILED
     finally:
         if own:
             await provider.aclose()

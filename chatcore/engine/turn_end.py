@@ -179,13 +179,14 @@ class TurnEnds:
     async def _title_if_due(self, turn: Turn, session: Session, result: CommitResult) -> None:
         try:
             # B4: on the row the commit locked when it appended messages, else a read.
-            due = (
+            stage = (
                 jobs.title_due_of(result.appended.session)
                 if result.appended is not None
                 else await on_db(jobs.title_due)(session_pk=session.pk)
             )
-            if due:
-                self.schedule_beside("generate_title", session_pk=session.pk)
+            if stage:
+                # The stage travels with the job: a worker may run with other settings.
+                self.schedule_beside("generate_title", session_pk=session.pk, stage=stage)
         except DatabaseError:
             # A title is scheduled again after the next turn; the queue must go on.
             logger.warning("could not schedule after-turn jobs", extra={"turn_id": str(turn.pk)})

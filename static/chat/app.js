@@ -18,21 +18,31 @@
  *   search.js     the sidebar's search (Ctrl+K), opening a hit at its message
  *   carry.js      export, import and share links (dialog menu, sidebar)
  *   share.js      the public share page's Markdown (its own page, not this one)
+ *   draft.js      a new dialog is a draft until its first message (its state)
+ *   newdialog.js  "New dialog": the page empties into a draft
+ *   slash.js      typed slash commands; "Send as a message" for an unknown one
+ *   codehl.js     syntax highlighting of fenced code (vendored highlight.js)
+ *   shortcuts.js  keyboard shortcuts and their "?" sheet
+ *   theme.js      the light / dark / system theme, remembered per browser
  *
  * The server owns all state; this page mirrors it. The socket reconnects with exponential
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
  * state (resync). A normal turn never reloads it.
  */
 import { bindCarry } from "./carry.js";
-import { autosize, bindComposer, stopTurn, updateRunning } from "./composer.js";
+import { autosize, bindComposer, sendMessage, stopTurn, updateRunning } from "./composer.js";
 import { dialogFromHash, isLinked } from "./format.js";
 import { connectionLost, handleFrame } from "./frames.js";
 import { bindHeader, renderHeader, setConnection, showCountdown } from "./header.js";
+import { bindNewDialog } from "./newdialog.js";
 import { onScroll } from "./render.js";
 import { bindSearch, onSearchFrame } from "./search.js";
 import { bindSettings } from "./settings.js";
+import { bindShortcuts } from "./shortcuts.js";
+import { bindSlash } from "./slash.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
+import { bindTheme } from "./theme.js";
 import { hasSocket, reconnectNow, start } from "./transport.js";
 import { $ } from "./ui.js";
 
@@ -45,8 +55,8 @@ function onEscape(event) {
     closeMenu();
     return;
   }
-  if ($("confirm-dialog").open || $("share-dialog").open) {
-    return;
+  if (document.querySelector("dialog[open]")) {
+    return; // a modal (delete confirmation, shortcuts) closes itself
   }
   if (isSidebarOpen()) {
     closeSidebar();
@@ -60,11 +70,17 @@ function onEscape(event) {
 }
 
 function init() {
+  bindTheme();
   bindComposer();
+  bindShortcuts();
   document.addEventListener("keydown", onEscape);
   bindSidebar();
   bindSearch();
   bindCarry();
+  bindNewDialog();
+  bindSlash(function (content) {
+    return sendMessage(content, [], true);
+  });
   bindHeader();
   bindSettings();
   $("reconnect-now").addEventListener("click", reconnectNow);

@@ -12,8 +12,10 @@ import {
   readyAttachments,
   restoreAttachments,
 } from "./attachments.js";
+import { draftAllows, isDraft, openDraft } from "./draft.js";
 import { platformName } from "./format.js";
 import { clearTurnNote, scrollToBottom, updateEmpty } from "./render.js";
+import { hideOffer, rememberTyped } from "./slash.js";
 import { history, store } from "./state.js";
 import { aim, isOpen, send, sendCommand } from "./transport.js";
 import { $, actionButton, config, el, icon, randomId, t, toast } from "./ui.js";
@@ -81,6 +83,32 @@ export function dropPending(pending) {
   renderPending();
 }
 
+var lastReturnNotice = 0;
+
+/** A queued message the server dropped unsent (Stop drops the queue, C6): its text comes
+ * back to the composer (after what is typed there), and the user is told. */
+export function returnToComposer(pending) {
+  dropPending(pending);
+  var text = pending.content || "";
+  var files = pending.attachments || [];
+  if (!text.trim() && !files.length) {
+    return;
+  }
+  if (files.length) {
+    restoreAttachments(files); // H3: its files come back as chips too
+  }
+  var input = $("composer-input");
+  if (text.trim()) {
+    input.value = input.value.trim() ? input.value.replace(/\s+$/, "") + "\n\n" + text : text;
+  }
+  autosize();
+  updateSendButton();
+  if (Date.now() - lastReturnNotice > 1000) {
+    lastReturnNotice = Date.now(); // one notice for a queue dropped at once
+    toast(t("queued_returned"), "info");
+  }
+}
+
 /** The stored message (or the turn's end) replaces its pending bubble. */
 export function dropPendingFor(clientMsgId, turnId) {
   var pending = store.findPending(clientMsgId) || store.findPendingByTurn(turnId);
@@ -105,13 +133,22 @@ export function updateSendButton() {
   $("send-button").disabled = !filled || attachmentsBusy() || !isOpen() || input.disabled;
 }
 
-function sendMessage(content, attachments) {
+/** Send `content` with the uploaded `attachments` (H3) as a message; `literal`: even when it
+ * starts with `/` (PROTOCOL `send`). The first message of a draft dialog makes the dialog
+ * first (draft.js). */
+export function sendMessage(content, attachments, literal) {
   if (!isOpen()) {
     toast(t("offline_cannot_send"), "error");
     return false;
   }
+  if (isDraft() && !openDraft()) {
+    return false;
+  }
   var id = randomId();
   var frame = aim({ type: "send", content: content, client_msg_id: id });
+  if (literal) {
+    frame.literal = true;
+  }
   var refs = attachments || [];
   if (refs.length) {
     // H3: the uploaded files go with the send by id.
@@ -159,14 +196,23 @@ function submitComposer() {
     return;
   }
   if (trimmed.charAt(0) === "/" && !attachments.length) {
-    // Slash commands go to the server as they are (B3); it answers each one.
-    if (!sendCommand(trimmed, false)) {
+    // Slash commands go to the server as they are (B3); it answers each one. The text stays
+    // in the composer until it does: an unknown command offers to send it as a message.
+    if (isDraft() && !draftAllows(trimmed)) {
+      toast(t("draft_command"), "info");
       return;
     }
-  } else if (!sendMessage(trimmed ? content : "", attachments)) {
+    var commandId = sendCommand(trimmed, false);
+    if (commandId) {
+      rememberTyped(commandId, content);
+    }
+    return;
+  } else if (!sendMessage(trimmed ? content : "", attachments, trimmed.charAt(0) === "/")) {
+    // With files attached, a leading "/" is text, not a command.
     return;
   }
   clearAttachments();
+  hideOffer();
   input.value = "";
   autosize();
   updateSendButton();
@@ -236,6 +282,7 @@ export function bindComposer() {
   input.addEventListener("input", function () {
     autosize();
     updateSendButton();
+    hideOffer();
   });
   input.addEventListener("keydown", function (event) {
     // IME composition (Chinese, Japanese…) uses Enter to pick characters: never send then.

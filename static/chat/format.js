@@ -30,6 +30,7 @@ export function escapeHtml(text) {
  * rendered as it is.
  */
 export function closeOpenMarkdown(text) {
+  text = holdMarkerLine(text);
   var fences = text.match(/^ {0,3}(```|~~~)/gm);
   if (fences && fences.length % 2 === 1) {
     return text + "\n" + fences[fences.length - 1].trim();
@@ -48,6 +49,31 @@ export function closeOpenMarkdown(text) {
     suffix += "~~";
   }
   return text + suffix;
+}
+
+/** Whether a streaming answer ends inside a code fence it opened. */
+export function hasOpenFence(text) {
+  var fences = text.match(/^ {0,3}(```|~~~)/gm);
+  return Boolean(fences) && fences.length % 2 === 1;
+}
+
+/**
+ * The last line of a streaming answer is not whole yet. Made only of markdown markers so far
+ * ("-", "==", "1.", "#", "|--", "> "), it could still become a list item, a rule, a heading
+ * underline or a table: drawn now, "Intro\n-" shows "Intro" as a big heading for a moment.
+ * Such a line waits for its next characters (inside an open code fence it is just code).
+ */
+export function holdMarkerLine(text) {
+  var cut = text.lastIndexOf("\n");
+  var last = text.slice(cut + 1);
+  if (!last || !/^[\s\-=*_#>|:+\d.)`~]*$/.test(last)) {
+    return text;
+  }
+  var fences = text.slice(0, cut + 1).match(/^ {0,3}(```|~~~)/gm);
+  if (fences && fences.length % 2 === 1 && !/^ {0,3}(```|~~~)/.test(last)) {
+    return text;
+  }
+  return text.slice(0, cut + 1);
 }
 
 // --- Time -----------------------------------------------------------------------------------

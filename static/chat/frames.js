@@ -8,9 +8,11 @@ import {
   dropPending,
   dropPendingFor,
   renderPending,
+  returnToComposer,
   updateReadOnly,
   updateRunning,
 } from "./composer.js";
+import { leaveDraft } from "./draft.js";
 import { isLinked } from "./format.js";
 import { renderHeader, updateHash } from "./header.js";
 import {
@@ -31,9 +33,10 @@ import {
 import { settingsFrame } from "./settings.js";
 import { closeSidebar, openLinked, renderSidebar } from "./sidebar.js";
 import { history, store } from "./state.js";
-import { isStreaming, removeStreaming, showStreaming } from "./stream.js";
+import { typedAnswered, typedRefused } from "./slash.js";
+import { isStreaming, removeStreaming, showStreaming, showWaiting } from "./stream.js";
 import { askHistory, send, sendCommand } from "./transport.js";
-import { $, announce, t, toast } from "./ui.js";
+import { $, announce, config, t, toast } from "./ui.js";
 
 export function handleFrame(frame) {
   switch (frame.type) {
@@ -101,6 +104,7 @@ function onSessionHistory(frame) {
   }
   store.setOlder(null);
   store.historyArrived();
+  leaveDraft();
   var switched = frame.session_id !== history.sessionId;
   history.load(frame);
   store.markLoaded();
@@ -165,6 +169,10 @@ function onQueued(frame) {
   if (frame.mode === "continue" && frame.turn_id) {
     store.markContinuing(frame.turn_id);
   }
+  if (frame.session_id === history.sessionId && frame.turn_id && !frame.position) {
+    // Nothing ahead: the answer starts now; show it is coming before its first token.
+    showWaiting(frame.turn_id);
+  }
   if (pending) {
     if (!frame.turn_id) {
       // An idle inject is no turn: its message arrives as a delta.
@@ -211,6 +219,11 @@ function onDelta(frame) {
     removeStreaming();
   }
   appendMessages(added);
+  added.forEach(function (m) {
+    if (m.role === "user" && m.turn_id && store.isTurnLive(m.turn_id)) {
+      showWaiting(m.turn_id); // the turn started: the indicator until its first snapshot
+    }
+  });
   updateEmpty();
   refreshContinue();
   store.touchSession(frame.session_id, added);
@@ -256,7 +269,9 @@ function onSnapshot(frame) {
 
 function onTurnUpdated(frame) {
   var pending = store.findPending(frame.client_msg_id) || store.findPendingByTurn(frame.turn_id);
-  if (pending) {
+  if (pending && frame.status === "cancelled" && frame.reason === "dropped") {
+    returnToComposer(pending); // never stored: its text must not vanish (issue 54)
+  } else if (pending) {
     dropPending(pending);
   }
   if (frame.session_id !== history.sessionId) {
@@ -283,9 +298,14 @@ function onTurnUpdated(frame) {
     );
   }
   if (frame.status === "completed" && frame.notice && frame.notice.message) {
-    // E5: the answer was cut or withheld; say so (the message itself carries the marker).
-    showTurnNote("notice", frame.notice.message, "none");
-    announce(frame.notice.message);
+    // E5: the answer was cut or withheld; say so (the message itself carries the marker),
+    // in the page's language (the server's words are in the language of the turn's worker).
+    var key = "notice_" + frame.notice.kind;
+    var notice = Object.prototype.hasOwnProperty.call(config.strings || {}, key)
+      ? t(key)
+      : frame.notice.message;
+    showTurnNote("notice", notice, "none");
+    announce(notice);
   } else if (frame.status === "completed") {
     announce(t("answer_done"));
   }
@@ -310,6 +330,7 @@ function onSessionUpdated(frame) {
 }
 
 function onCommandResult(frame) {
+  typedAnswered(frame.client_msg_id);
   if (store.takeSilent(frame.client_msg_id)) {
     if (frame.ok === false) {
       toast(frame.content, "error");
@@ -332,6 +353,9 @@ function onError(frame) {
   var id = frame.client_msg_id;
   if (store.takeSilent(id)) {
     toast(frame.message, "error");
+    return;
+  }
+  if (typedRefused(id, frame)) {
     return;
   }
   var pending = store.findPending(id);

@@ -2,6 +2,7 @@
  * The header: the open dialog's title (click to rename), the connection's status with the
  * reconnect banner, and the address's fragment naming the open dialog.
  */
+import { isDraft } from "./draft.js";
 import { cleanTitle, isLinked } from "./format.js";
 import { updateSendButton } from "./composer.js";
 import { history, store } from "./state.js";
@@ -9,6 +10,9 @@ import { sendCommand } from "./transport.js";
 import { $, el, t } from "./ui.js";
 
 function currentTitle() {
+  if (isDraft()) {
+    return t("new_dialog");
+  }
   return history.title || (history.dialogId ? history.dialogId : "");
 }
 

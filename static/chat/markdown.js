@@ -3,7 +3,8 @@
  * a strict allow-list, and lands in the DOM as a sanitised fragment. No remote images, raw
  * HTML shown as text, links open in a new tab without the opener.
  */
-import { closeOpenMarkdown, escapeHtml } from "./format.js";
+import { highlightCode } from "./codehl.js";
+import { closeOpenMarkdown, escapeHtml, hasOpenFence, holdMarkerLine } from "./format.js";
 import { el, icon, t } from "./ui.js";
 
 var markdown = new window.marked.Marked({ gfm: true, breaks: true, async: false });
@@ -42,11 +43,26 @@ var PURIFY_CONFIG = {
   RETURN_DOM_FRAGMENT: true,
 };
 purifier.addHook("uponSanitizeAttribute", function (node, data) {
-  // Classes only as the language marker of code blocks (never our own UI classes).
+  // Classes only as the language marker of code blocks and highlight.js's token classes
+  // (never our own UI classes).
   if (data.attrName === "class") {
-    data.keepAttr = node.nodeName === "CODE" && /^language-[\w+#.-]{1,40}$/.test(data.attrValue);
+    data.keepAttr =
+      (node.nodeName === "CODE" && /^language-[\w+#.-]{1,40}$/.test(data.attrValue)) ||
+      (node.nodeName === "SPAN" && /^hljs-[\w-]+( [\w-]+)*$/.test(data.attrValue));
   }
 });
+
+// The coloured code highlight.js returns: spans with its classes around text, nothing else.
+var CODE_CONFIG = {
+  ALLOWED_TAGS: ["span"],
+  ALLOWED_ATTR: ["class"],
+  ALLOW_DATA_ATTR: false,
+  RETURN_DOM_FRAGMENT: true,
+};
+
+function sanitizeCode(html) {
+  return purifier.sanitize(html, CODE_CONFIG);
+}
 purifier.addHook("afterSanitizeAttributes", function (node) {
   if (node.nodeName === "A" && node.hasAttribute("href")) {
     node.setAttribute("target", "_blank");
@@ -72,6 +88,7 @@ function markdownFragment(text) {
  * markup closed; a final one with code blocks that have a copy button). */
 export function renderMarkdownInto(container, text, streaming) {
   container.replaceChildren(markdownFragment(streaming ? closeOpenMarkdown(text) : text));
+  highlightCode(container, streaming && hasOpenFence(holdMarkerLine(text)), sanitizeCode);
   container.querySelectorAll("table").forEach(function (table) {
     var wrap = el("div", "table-wrap");
     table.parentNode.insertBefore(wrap, table);

@@ -143,6 +143,11 @@ function renderMessage(m) {
     if (source.kind === "steer" || source.kind === "inject") {
       node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
     }
+    if (m.content) {
+      var userFoot = el("div", "msg-foot");
+      userFoot.appendChild(messageActions(m)); // copy your own words too (issue 54)
+      node.appendChild(userFoot);
+    }
   } else if (m.role === "assistant") {
     if (joinContinuation(m)) {
       return null;

@@ -5,6 +5,7 @@
  * silent slash commands; the slide-over on a phone.
  */
 import { carryAction } from "./carry.js";
+import { isDraft } from "./draft.js";
 import { cleanTitle, dayGroup, fullTime, isLinked, platformName, relativeTime } from "./format.js";
 import { history, store } from "./state.js";
 import { send, sendCommand } from "./transport.js";
@@ -19,7 +20,9 @@ export function renderSidebar() {
   var frag = document.createDocumentFragment();
   var currentGroup = null;
   var ul = null;
-  if (!sessions.length) {
+  if (isDraft()) {
+    frag.appendChild(draftItem());
+  } else if (!sessions.length) {
     frag.appendChild(el("p", "dialog-empty", store.loadedOnce() ? t("no_dialogs") : ""));
   }
   function startGroup(label, className) {
@@ -46,12 +49,38 @@ export function renderSidebar() {
   linked.forEach(function (item) {
     if (item.channel !== currentGroup) {
       currentGroup = item.channel;
-      startGroup(t("linked_group", { platform: platformName(item.channel) }), "dialog-group-linked");
+      // The user's own API and terminal dialogs, then linked chat apps (issue 54).
+      var own = item.channel === "api" || item.channel === "cli";
+      startGroup(
+        own ? t("channel_" + item.channel) : t("linked_group", { platform: platformName(item.channel) }),
+        "dialog-group-linked"
+      );
     }
     ul.appendChild(dialogItem(item));
   });
   list.replaceChildren(frag);
   $("menu-unread").hidden = !store.anyUnread();
+}
+
+/** The draft dialog on top of the list (stored with its first message, issue 54). */
+function draftItem() {
+  var ul = el("ul", "dialog-group-list");
+  ul.setAttribute("role", "list");
+  var li = el("li", "dialog-item is-current is-draft");
+  var open = el("button", "dialog-open");
+  open.type = "button";
+  open.setAttribute("aria-current", "true");
+  open.appendChild(el("span", "dialog-title", t("new_dialog")));
+  var meta = el("span", "dialog-meta");
+  meta.appendChild(el("span", "dialog-time", t("draft_unsaved")));
+  open.appendChild(meta);
+  open.addEventListener("click", function () {
+    closeSidebar();
+    $("composer-input").focus();
+  });
+  li.appendChild(open);
+  ul.appendChild(li);
+  return ul;
 }
 
 function dialogItem(item) {
@@ -130,14 +159,6 @@ export function openLinked(item) {
     return false;
   }
   return true;
-}
-
-function newDialog() {
-  closeMenu();
-  if (sendCommand("/new", true)) {
-    closeSidebar();
-    $("composer-input").focus();
-  }
 }
 
 // --- The dialog menu: rename, delete --------------------------------------------------------
@@ -284,7 +305,7 @@ export function closeSidebar() {
 /** Wire the list's buttons, the dialog menu (click, arrows, Tab, outside click) and the
  * slide-over. */
 export function bindSidebar() {
-  $("new-dialog").addEventListener("click", newDialog);
+  // "New dialog" is newdialog.js's (a draft until its first message).
   $("menu-button").addEventListener("click", openSidebar);
   $("sidebar-close").addEventListener("click", closeSidebar);
   $("scrim").addEventListener("click", closeSidebar);

@@ -137,6 +137,10 @@ export function createStore(history) {
         stopping = false;
       }
     },
+    /** The turn is queued or running in the open dialog. */
+    isTurnLive: function (turnId) {
+      return Boolean(inflight[turnId]);
+    },
     anyTurn: function () {
       return Object.keys(inflight).length > 0;
     },

@@ -49,6 +49,15 @@ export function showStreaming(turnId, text, tools) {
   }
 }
 
+/** A turn of the open dialog starts (or is next): the "thinking" indicator until its first
+ * snapshot, unless another answer is shown streaming. */
+export function showWaiting(turnId) {
+  var s = store.streaming();
+  if (!s) {
+    showStreaming(turnId, "", []);
+  }
+}
+
 function paintStreaming(s) {
   var stick = isNearBottom();
   if (s.tools && s.tools.length) {

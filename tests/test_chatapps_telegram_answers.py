@@ -254,7 +254,7 @@ async def test_the_title_follows_rename_and_the_automatic_title(bot_with: Any, f
     assert await title() == "Mountains"
 
 
-async def test_set_my_commands_lists_the_nine_commands(bot: Bot) -> None:
+async def test_set_my_commands_lists_the_ten_commands(bot: Bot) -> None:
     # covers: B3 (Telegram's command menu)
     await bot.say("/help")
     names = [c["command"] for c in bot.fake.commands]
@@ -267,6 +267,7 @@ async def test_set_my_commands_lists_the_nine_commands(bot: Bot) -> None:
         "info",
         "stop",
         "compact",
+        "model",
         "help",
     ]
     assert all(c["description"] for c in bot.fake.commands)

@@ -55,6 +55,8 @@ def test_every_frame_shape_survives_a_json_round_trip() -> None:
         message_count=1,
         channel="web",
         chat_id="u1",
+        effective_model="gpt-4o-mini",
+        system_prompt="",
     )
     turn = SimpleNamespace(pk="t-2", mode="send", client_msg_id="", content="x" * 100)
     error = RateLimited(retry_after=1.234)

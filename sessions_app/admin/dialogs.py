@@ -146,7 +146,7 @@ class SessionAdmin(
     )
     date_hierarchy = "last_active_at"
     # Messages are searched through the search index (H2, `get_search_results`).
-    search_fields = ("title", "chat_id", "channel", "owner__username")
+    search_fields = ("title", "dialog_id", "chat_id", "channel", "owner__username")
     actions = (
         "soft_delete_selected",
         "restore_selected",

@@ -37,6 +37,7 @@ from ninja.parser import Parser
 from chatcore.common.errors import ChatError, StorageUnavailable
 
 from .api_auth import SAFE_METHODS, CsrfFailed, api_auth, docs_guard
+from .branch_routes import router as branch_router
 from .file_routes import router as files_router
 from .routes import router
 from .routes_carry import router as carry_router
@@ -280,9 +281,10 @@ def _unexpected(request: HttpRequest, exc: Exception) -> HttpResponse:
     return _error(500, "internal_error", _("Internal error."))
 
 
-# The routers of this app (their routes register on import). Files' and H2's first: the main
-# router's last route answers every other path, and `/sessions/import` must match before
-# `/sessions/{session_id}` does.
+# The routers of this app (their routes register on import). Files', H2's and H1's first:
+# the main router's last route answers every other path, and `/sessions/import` must match
+# before `/sessions/{session_id}` does.
 api.add_router("/", files_router)
 api.add_router("/", carry_router)
+api.add_router("/", branch_router)
 api.add_router("/", router)

@@ -49,6 +49,10 @@ class TurnMode(models.TextChoices):
     RETRY = "retry", _("retry")
     # E5: go on with a cut (`truncated`) answer; the cut message's id is in `source`.
     CONTINUE = "continue", _("continue")
+    # H1: a user message edited (a sibling of it, `source.edit_of`) and an answer asked for
+    # again (a sibling answer, `source.regenerate_of`).
+    EDIT = "edit", _("edit")
+    REGENERATE = "regenerate", _("regenerate")
 
 
 class TurnStatus(models.TextChoices):

@@ -27,7 +27,7 @@ from audit.trail import Actor
 from chatcore.common import publish
 from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, ShuttingDown
-from chatcore.engine import commands
+from chatcore.engine import branching, commands
 from chatcore.engine.clientstate import SnapshotRelay, request_full_snapshot
 from chatcore.engine.engine import Ack, Engine, Inbound
 from chatcore.engine.sessions import resolve_dialog
@@ -242,6 +242,40 @@ class ChannelConnection:
         return await self.engine.continue_answer(
             target, owner=self.user, client_msg_id=client_msg_id
         )
+
+    async def edit(
+        self, target: Session, *, seq: object, content: object, client_msg_id: str = ""
+    ) -> Ack:
+        """H1: a new version of user message `seq`, answered like a send."""
+        await self._check_writable(target)
+        return await branching.edit(
+            self.engine,
+            target,
+            owner=self.user,
+            seq=seq,
+            content=content,
+            channel=self.channel,
+            client_msg_id=client_msg_id,
+        )
+
+    async def regenerate(
+        self, target: Session, *, seq: object | None, client_msg_id: str = ""
+    ) -> Ack:
+        """H1: another answer to the message answer `seq` answers."""
+        await self._check_writable(target)
+        return await branching.regenerate(
+            self.engine,
+            target,
+            owner=self.user,
+            seq=seq,
+            channel=self.channel,
+            client_msg_id=client_msg_id,
+        )
+
+    async def branch(self, target: Session, *, seq: object) -> Session:
+        """H1: make the branch through `seq` active."""
+        await self._check_writable(target)
+        return await branching.branch(target, seq=seq)
 
     async def _check_writable(self, target: Session) -> None:
         await on_db_idempotent(selectors.dialog_check_writable)(

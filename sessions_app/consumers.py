@@ -319,6 +319,34 @@ class ChatConsumer(ChatEventsConsumer):
         ack = await self.conn.continue_answer(target, client_msg_id=client_msg_id or "")
         await self._send(ack.frame())
 
+    async def _on_edit(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # H1: answered by `queued` (mode `edit`) or `error`.
+        assert self.conn is not None
+        target = await self._target(data)
+        ack = await self.conn.edit(
+            target,
+            seq=data.get("seq"),
+            content=data.get("content"),
+            client_msg_id=client_msg_id or "",
+        )
+        await self._send(ack.frame())
+
+    async def _on_regenerate(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # H1: answered by `queued` (mode `regenerate`) or `error`.
+        assert self.conn is not None
+        target = await self._target(data)
+        ack = await self.conn.regenerate(
+            target, seq=data.get("seq"), client_msg_id=client_msg_id or ""
+        )
+        await self._send(ack.frame())
+
+    async def _on_branch(self, data: dict[str, Any], client_msg_id: str | None) -> None:
+        # H1: answered by `session_history` of the new active path.
+        assert self.conn is not None
+        target = await self._target(data)
+        written = await self.conn.branch(target, seq=data.get("seq"))
+        await self._send_history(written, client_msg_id=client_msg_id)
+
     async def _on_history(self, data: dict[str, Any], client_msg_id: str | None) -> None:
         before_seq = optional_int(data, "before_seq", low=1, high=None)
         limit = optional_int(data, "limit", low=1, high=selectors.HISTORY_PAGE_MAX)
@@ -387,6 +415,9 @@ class ChatConsumer(ChatEventsConsumer):
         "stop": _on_stop,
         "retry": _on_retry,
         "continue": _on_continue,
+        "edit": _on_edit,
+        "regenerate": _on_regenerate,
+        "branch": _on_branch,
         "history": _on_history,
         "sessions": _on_sessions,
         "search": _on_search,

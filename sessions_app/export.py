@@ -19,6 +19,7 @@ from django.utils.translation import gettext as _
 
 from chatcore.common.dbthreads import on_db_idempotent
 
+from . import branches
 from .models import Message, MessageKind, Session
 
 FORMAT = "chatcore.dialog.v1"
@@ -31,20 +32,17 @@ TOOL_PREVIEW_CHARS = 200
 
 class Lineage:
     """Which message each one follows, and the head of the active path: the one place that
-    knows how a dialog's branches are stored. Today a dialog is one line (each message
-    follows the one before it; the head is the last), so `parent_seq` is the previous
-    message and every message is on the active path; when messages carry their own parent
-    (H1), this reads it instead."""
+    knows how a dialog's branches are stored (H1: each message's own `parent_seq`, the
+    dialog's `head_seq`; `branches` walks them)."""
 
-    def __init__(self) -> None:
-        self.previous: int | None = None
+    def __init__(self, session: Session) -> None:
+        self.session = session
 
     def parent_of(self, message: Message) -> int | None:
-        parent, self.previous = self.previous, message.seq
-        return parent
+        return message.parent_seq
 
     def head_seq(self) -> int | None:
-        return self.previous
+        return self.session.head_seq or None
 
 
 def _pages(session_pk: str) -> Callable[[int], list[Message]]:
@@ -66,6 +64,20 @@ async def _messages(session_pk: str) -> AsyncIterator[Message]:
         if len(batch) < PAGE:
             return
         after = batch[-1].seq
+
+
+async def _active_path(session: Session) -> AsyncIterator[Message]:
+    """The messages of the active path, oldest first (H1): a dialog that never forked is all
+    its messages; a forked one's path is walked once, then read a page at a time."""
+    if not session.forked:
+        async for message in _messages(str(session.pk)):
+            yield message
+        return
+    seqs = await on_db_idempotent(branches.active_path)(session) or []
+    for start in range(0, len(seqs), PAGE):
+        chunk = seqs[start : start + PAGE]
+        for message in await on_db_idempotent(branches.path_messages)(chunk, str(session.pk)):
+            yield message
 
 
 # --- JSON ----------------------------------------------------------------------------------
@@ -103,7 +115,7 @@ async def json_chunks(session: Session) -> AsyncIterator[bytes]:
         "session_id": session.session_id,
     }
     yield (json.dumps(head, ensure_ascii=False)[:-1] + ', "messages": [').encode()
-    lineage = Lineage()
+    lineage = Lineage(session)
     first = True
     buffer: list[str] = []
     async for message in _messages(str(session.pk)):
@@ -176,7 +188,7 @@ async def markdown_chunks(session: Session) -> AsyncIterator[bytes]:
         + "\n\n"
     ).encode()
     buffer: list[str] = []
-    async for message in _messages(str(session.pk)):
+    async for message in _active_path(session):
         buffer.append(message_markdown(message))
         if len(buffer) >= 100:
             yield "".join(buffer).encode()

@@ -11,9 +11,7 @@ counts are the engine's to make, per message, when a turn first reads them.
 
 Branches: a document is read as the tree it is (`ImportedDialog`: every message of every
 branch after its parent, and the head: in our JSON `head_seq`, in a ChatGPT conversation
-`current_node`). A dialog here is one line of messages until the message tree of H1, so
-`dialog_import` stores the active path (`ImportedDialog.active_path`); the other branches
-are checked (every parent known, no cycle, every message valid) but not stored.
+`current_node`), and stored as one: every branch, the head the document's (H1).
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from chatcore.common import events, publish
 from chatcore.common.errors import ChatError, TooLarge
 from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
 
+from . import branches
 from .export import FORMAT
 from .files import file_uses_record
 from .models import File, Message, MessageKind, MessageStatus, Role, Session, TitleSource
@@ -501,10 +500,19 @@ def dialog_import(
             )
             session.title = dialog.title or session.default_title
             session.title_source = TitleSource.USER if dialog.title else TitleSource.DEFAULT
-            # Until dialogs here are trees (H1), the active path is what is stored.
-            path = dialog.active_path()
+            # H1: every branch, each message after its parent (so a parent's seq is always
+            # the smaller), the head as the document's; the forks kept on the row.
+            path = dialog.messages
             n = len(path)
             session.last_seq = n
+            session.head_seq = dialog.head + 1 if dialog.head is not None else 0
+            kids: dict[int | None, list[int]] = {}
+            for seq, m in enumerate(path, start=1):
+                kids.setdefault(m.parent + 1 if m.parent is not None else None, []).append(seq)
+            session.forks = {
+                branches.fork_key(parent): seqs for parent, seqs in kids.items() if len(seqs) > 1
+            }
+            session.forked = bool(session.forks)
             session.total_message_count = n
             session.message_count = sum(1 for m in path if m.kind in USER_KINDS)
             session.state_version = 1
@@ -513,6 +521,7 @@ def dialog_import(
                 Message(
                     session=session,
                     seq=seq,
+                    parent_seq=m.parent + 1 if m.parent is not None else None,
                     role=m.role,
                     content=m.content,
                     created_at=m.created_at or now,

@@ -67,6 +67,15 @@ class Session(models.Model):
     # G2: the fencing token of the lease, increased at every acquisition; every write of a
     # turn checks it in its own transaction (chatcore.engine.lease).
     lease_epoch = models.BigIntegerField(_("lease epoch"), default=0)
+    # H1: the last message of the active path (0: no message yet); every append moves it to
+    # the new message, a `branch` or a regenerate's start moves it to another leaf.
+    head_seq = models.BigIntegerField(_("head seq"), default=0)
+    # H1: set once the dialog's messages stop being one straight line (an edit, a regenerate
+    # or a branch switch); until then the active path is simply every message in seq order.
+    forked = models.BooleanField(_("forked"), default=False)
+    # H1: the forks: for each message with several children (its seq as text, "" for none),
+    # their seqs, oldest first; the `siblings` of pages are read from here, not the tree.
+    forks = models.JSONField(_("forks"), default=dict, blank=True)
     # C8: the session plan tool's state.
     plan = models.TextField(_("plan"), blank=True, default="")
     # H4: the dialog's model ("" = the server's default, `LLM_MODEL`) and its own
@@ -122,6 +131,9 @@ class Message(models.Model):
         verbose_name=_("dialog"),
     )
     seq = models.BigIntegerField(_("seq"))
+    # H1: the message this one follows on its branch (null for a dialog's first); siblings
+    # share it. Never rewritten, like the rest of the row.
+    parent_seq = models.BigIntegerField(_("parent seq"), null=True, blank=True)
     role = models.CharField(_("role"), max_length=16, choices=Role.choices)
     content = models.TextField(_("content"), blank=True, default="")
     media_refs = models.JSONField(_("media"), default=list, blank=True)
@@ -199,7 +211,7 @@ class Turn(models.Model):
     )
     number = models.BigIntegerField(_("number"))
     mode = models.CharField(
-        _("mode"), max_length=8, choices=TurnMode.choices, default=TurnMode.SEND
+        _("mode"), max_length=10, choices=TurnMode.choices, default=TurnMode.SEND
     )
     status = models.CharField(
         _("status"), max_length=16, choices=TurnStatus.choices, default=TurnStatus.QUEUED

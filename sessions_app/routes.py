@@ -129,6 +129,24 @@ def _session_links(*operations: str) -> dict[str, Any]:
     }
 
 
+def _turn_links() -> dict[str, Any]:
+    """OpenAPI links from a send's turn (its messages: the user message, then the answer) to
+    an edit of the one and a regenerate of the other (H1)."""
+    session = "$response.body#/session_id"
+    return {
+        "links": {
+            "edit_message": {
+                "operationId": "sessions_app_api_edit_message",
+                "parameters": {"session_id": session, "seq": "$response.body#/messages/0/seq"},
+            },
+            "regenerate_message": {
+                "operationId": "sessions_app_api_regenerate_message",
+                "parameters": {"session_id": session, "seq": "$response.body#/messages/1/seq"},
+            },
+        }
+    }
+
+
 @router.get(
     "/sessions",
     response={200: SessionListOut, **ERRORS},
@@ -284,7 +302,7 @@ async def list_messages(
     def read() -> dict[str, Any]:
         session = _owned(user, session_id)
         messages, has_more = selectors.messages_from(
-            session_pk=session.pk, from_seq=from_seq, limit=limit
+            session_pk=session.pk, from_seq=from_seq, limit=limit, session=session
         )
         return {
             # A page read after the dialog row may hold newer messages; never report less.
@@ -432,6 +450,9 @@ async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
     response={200: TurnOut, **ERRORS},
     summary="A turn: status, reason, error and its committed messages",
     exclude_unset=True,
+    # H1: a send's turn holds its user message, then its answer: an edit of the one and a
+    # regenerate of the other (clients and the schema's stateful tests follow these).
+    openapi_extra={"responses": {200: _turn_links()}},
 )
 async def get_turn(request: HttpRequest, turn_id: str) -> dict[str, Any]:
     user = _user(request)

@@ -163,6 +163,9 @@ class SessionOut(Schema):
     message_count: int = Field(description="The user's own messages (A2).")
     total_message_count: int
     history_revision: int = Field(description="The highest seq ever assigned (D2).")
+    head_seq: int | None = Field(
+        None, description="The last message of the active path (H1); null before any."
+    )
     status: Literal["idle", "running"]
     active_turn: TurnSnapshotOut | None
     queue: list[QueueItemOut]
@@ -216,6 +219,24 @@ class FileOut(AttachmentOut):
     """An uploaded file (POST /files)."""
 
 
+class EditIn(Schema):
+    """H1: the new text of a user message; it becomes a sibling of the edited one."""
+
+    content: Content = Field(
+        description="At most CONTENT_LIMIT characters (default 65,536; longer answers 413)."
+    )
+    client_msg_id: ClientMsgId | None = None
+
+
+class BranchIn(Schema):
+    seq: int = Field(ge=1, le=2**62, description="A message of the branch to make active.")
+
+
+class BranchOut(Schema):
+    head_seq: int
+    history_revision: int
+
+
 class MessageOut(Schema):
     """PROTOCOL "Message". The optional fields appear only when present."""
 
@@ -224,6 +245,14 @@ class MessageOut(Schema):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
     created_at: Timestamp
+    parent_seq: int | None = Field(
+        None, description="The message this one follows on its branch (H1); null for the first."
+    )
+    siblings: list[int] | None = Field(
+        None,
+        description="Where the parent has several children: all their seqs, oldest first "
+        "(the versions a client switches between).",
+    )
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     tool_name: str | None = None

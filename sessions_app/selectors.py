@@ -19,6 +19,7 @@ from django.utils.translation import gettext as _
 from chatcore.common.errors import NotFound, ReadOnlyDialog
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, SessionKey
 
+from . import branches
 from .models import (
     ChannelChat,
     Compaction,
@@ -155,10 +156,16 @@ def messages_page(
     before_seq: int | None = None,
     limit: int = HISTORY_PAGE_DEFAULT,
     max_bytes: int | None = None,
+    session: Session | None = None,
 ) -> tuple[list[Message], bool]:
     """The most recent page of history (older than `before_seq` when given), oldest first,
-    within `limit` messages and `max_bytes` (default CHAT["HISTORY_PAGE_MAX_BYTES"])."""
+    within `limit` messages and `max_bytes` (default CHAT["HISTORY_PAGE_MAX_BYTES"]). With
+    the dialog's row (`session`): its active path only (H1, `branches`)."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
+    if session is not None and session.forked:
+        newest_first = branches.page_before(session, before_seq, limit + 1)
+        rows, has_more = _within_bytes(newest_first, limit, max_bytes)
+        return list(reversed(rows)), has_more
     qs = Message.objects.filter(session_id=session_pk)
     if before_seq is not None:
         qs = qs.filter(seq__lt=before_seq)
@@ -172,10 +179,14 @@ def messages_from(
     from_seq: int = 0,
     limit: int = HISTORY_PAGE_DEFAULT,
     max_bytes: int | None = None,
+    session: Session | None = None,
 ) -> tuple[list[Message], bool]:
     """Messages with seq >= from_seq, ascending (API pagination, stable under appends),
-    within `limit` messages and `max_bytes`."""
+    within `limit` messages and `max_bytes`. With the dialog's row (`session`): its active
+    path only (H1)."""
     limit = max(1, min(limit, HISTORY_PAGE_MAX))
+    if session is not None and session.forked:
+        return _within_bytes(branches.page_from(session, from_seq, limit + 1), limit, max_bytes)
     rows = list(
         Message.objects.filter(session_id=session_pk, seq__gte=from_seq).order_by("seq")[
             : limit + 1

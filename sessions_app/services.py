@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -25,6 +25,7 @@ from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, DialogExists, NotFound
 from chatcore.common.ids import SessionKey, chat_belongs_to, storable_text, validate_part
 
+from . import branches
 from .files import file_uses_record, session_delete_with_files
 from .models import (
     Message,
@@ -139,6 +140,7 @@ def session_create_with_history(
             session.title = clean or session.default_title
             session.title_source = TitleSource.USER if clean else TitleSource.DEFAULT
             session.last_seq = 1
+            session.head_seq = 1
             session.total_message_count = 1
             session.state_version = 1
             session.save(force_insert=True)
@@ -372,13 +374,17 @@ def append_locked(
     turn: Turn | None = None,
     extra: Callable[[Session], None] | None = None,
     also: Sequence[str] = (),
+    parent_seq: int | None | Literal[False] = False,
 ) -> Appended:
     """The write of `messages_append`, inside the caller's transaction on a session row it
     has locked (the engine records a turn's user message in the transaction that claims it,
     G6). `also`: more fields of `locked` the caller changed, saved in the same update of the
-    row. Publishing the delta is the caller's (`announce_appended`)."""
+    row. Publishing the delta is the caller's (`announce_appended`). H1: the messages follow
+    the dialog's head, one after the other, and the last becomes the head; `parent_seq`: the
+    first follows that message instead (an edit's sibling), which forks the dialog."""
     base = locked.last_seq
     now = timezone.now()
+    parent = branches.parent_of_append(locked, parent_seq)
     rows = []
     for offset, new in enumerate(messages, start=1):
         source = {"kind": new.kind, **new.source}
@@ -386,6 +392,7 @@ def append_locked(
             Message(
                 session=locked,
                 seq=base + offset,
+                parent_seq=parent if offset == 1 else base + offset - 1,
                 role=new.role,
                 content=new.content,
                 created_at=new.created_at or now,
@@ -403,6 +410,7 @@ def append_locked(
     rows_insert(rows)
     if any(m.media_refs for m in messages):
         file_uses_record(session_pk=locked.pk, refs=[r for m in messages for r in m.media_refs])
+    tree = branches.appended(locked, rows)  # the head, and the forks it made
     user_count = sum(1 for m in messages if m.kind in USER_KINDS)
     locked.last_seq = base + len(rows)
     locked.total_message_count += len(rows)
@@ -413,6 +421,7 @@ def append_locked(
         locked,
         [
             "last_seq",
+            *tree,
             "total_message_count",
             "message_count",
             "state_version",
@@ -536,6 +545,9 @@ def messages_clear(*, session: Session) -> int:
             Session.objects.filter(pk=session.pk).update(
                 message_count=0,
                 total_message_count=0,
+                head_seq=0,
+                forked=False,
+                forks={},
                 state_version=F("state_version") + 1,
                 generation=F("generation") + 1,
             )

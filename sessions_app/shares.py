@@ -13,6 +13,7 @@ from django.utils.translation import gettext as _
 from audit.trail import Action, Actor, TargetType, audit_record
 from chatcore.common.errors import NotFound
 
+from . import branches
 from .models import Message, Session, Share
 from .storage import storage_retry
 
@@ -64,7 +65,13 @@ def share_create(*, owner: User, session: Session, actor: Actor | None = None) -
             messages = Message.objects.filter(
                 session_id=session.pk, role__in=SHARED_ROLES
             ).order_by("seq")
-            snapshot = [_snapshot_message(m) for m in messages.iterator(chunk_size=500)]
+            path = branches.active_path(session)  # H1: a forked dialog's shown branch only
+            on_path = set(path) if path is not None else None
+            snapshot = [
+                _snapshot_message(m)
+                for m in messages.iterator(chunk_size=500)
+                if on_path is None or m.seq in on_path
+            ]
             share = Share.objects.create(
                 owner=owner, session=session, title=session.title, messages=snapshot
             )

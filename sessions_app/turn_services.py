@@ -10,7 +10,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from . import rows
+from . import branches, rows
 from .models import Compaction, MemoryNote, Session, StagedInput, Turn
 
 
@@ -38,7 +38,14 @@ def compaction_commit(
         session = Session.objects.select_for_update().filter(pk=session_pk).first()
         if session is None or session.deleted_at is not None or session.generation != generation:
             return None
-        if Compaction.objects.filter(session_id=session_pk, through_seq__gte=through).exists():
+        newer = Compaction.objects.filter(session_id=session_pk, through_seq__gte=through)
+        ends = list(newer.values_list("through_seq", flat=True))
+        if ends and session.forked:
+            # H1: only a newer summary of this path counts (another branch's covers other
+            # messages).
+            on_path = set(branches.active_path(session) or [])
+            ends = [end for end in ends if end in on_path]
+        if ends:
             return None
         Compaction.objects.create(session_id=session_pk, through_seq=through, summary=summary)
         Session.objects.filter(pk=session_pk).update(state_version=session.state_version + 1)

@@ -124,6 +124,9 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         self.echoed_updates: dict[str, dict[str, Any]] = {}
         # Per dialog, the message ids of the last `session_history` (latest page) sent.
         self.history_sent: dict[str, frozenset[str]] = {}
+        # Per dialog, the revision of that `session_history` (H1: a path change it already
+        # shows is not sent again).
+        self.revision_sent: dict[str, int] = {}
 
     @property
     def current(self) -> Session | None:
@@ -194,6 +197,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         frame = await on_db_idempotent(session_history_frame)(**kwargs)
         if before_seq is None:
             self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
+            self.revision_sent[frame["session_id"]] = frame["history_revision"]
             if self.conn is not None and self.current is not None and session.pk == self.current.pk:
                 # The client replaces its view of the running turn with `active_turn`; tails
                 # continue from there (D3).
@@ -240,6 +244,16 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
                 self.conn.relay.forget(frame["turn_id"])
             self.ended.append(frame["turn_id"])
             await self._send(frame)
+        elif kind == "path_changed":
+            # H1: the active path changed (here or in another process): the client replaces
+            # its view of the dialog it shows; other dialogs load theirs when opened.
+            current = self.current
+            if (
+                current is not None
+                and frame.get("session_id") == current.session_id
+                and self.revision_sent.get(current.session_id, -1) < frame["history_revision"]
+            ):
+                await self._send_history(current)
         elif kind == "history_delta":
             # D2: every dialog of the chat; a delta whose messages a `session_history` sent
             # after it was published already holds (e.g. the welcome of a dialog created on

@@ -46,6 +46,10 @@ async def test_openapi_document_is_valid_and_lists_every_path(api: Api) -> None:
         "/api/v1/sessions/{session_id}/compact": {"post"},
         "/api/v1/sessions/{session_id}/retry": {"post"},
         "/api/v1/sessions/{session_id}/continue": {"post"},
+        # H1: edit, regenerate and branch.
+        "/api/v1/sessions/{session_id}/messages/{seq}/edit": {"post"},
+        "/api/v1/sessions/{session_id}/messages/{seq}/regenerate": {"post"},
+        "/api/v1/sessions/{session_id}/branch": {"post"},
         "/api/v1/turns/{turn_id}": {"get"},
         "/api/v1/models": {"get"},
         "/api/v1/files": {"post"},

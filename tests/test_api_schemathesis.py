@@ -42,14 +42,20 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
 def test_fuzzed_requests_never_get_a_server_error(live: LiveApi, tmp_path: Path) -> None:
     # covers: E3, F3
     cli = Path(sys.executable).with_name("schemathesis")
-    # `continue` needs a dialog whose last answer was cut; among the many operations the
-    # stateful phase links, few of its cases reach one, so most are answered 404 or 409,
-    # which is what they must answer. tests/test_api.py and test_provider_limits.py cover
-    # every outcome; the warning about refused generated data is not shown for it.
+    # H1's edit, regenerate and branch name a message by its seq: a generated seq rarely
+    # names a user message (an answer, any message) of the dialog a generated case picks, so
+    # most of their generated cases are refused as bad input, which is what they must do;
+    # edits and regenerates that follow the schema's links from a turn are accepted (202),
+    # and tests/test_branches_* cover every outcome. `continue` needs a dialog whose last
+    # answer was cut; among the many operations the stateful phase links, few of its cases
+    # reach one, so most are answered 404 or 409, which is what they must answer.
+    # tests/test_api.py and test_provider_limits.py cover every outcome. The warning about
+    # refused generated data is not shown for these four.
     config = tmp_path / "schemathesis.toml"
     config.write_text(
         "[[operations]]\n"
-        'include-operation-id-regex = "^sessions_app_api_continue_session$"\n'
+        "include-operation-id-regex = "
+        '"^sessions_app_api_(edit_message|regenerate_message|branch_session|continue_session)$"\n'
         "warnings = false\n"
     )
     command = [

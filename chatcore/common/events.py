@@ -22,7 +22,12 @@ def message_frame(message: Any) -> dict[str, Any]:
         "role": message.role,
         "content": message.content,
         "created_at": message.created_at.isoformat(),
+        # H1: the message it follows on its branch; `siblings` where that one has several.
+        "parent_seq": getattr(message, "parent_seq", None),
     }
+    siblings = getattr(message, "siblings", None)
+    if siblings:
+        data["siblings"] = siblings
     if message.tool_calls:
         data["tool_calls"] = message.tool_calls
     if message.tool_call_id:
@@ -197,6 +202,8 @@ def session_history_frame(
         "dialog_id": session.dialog_id,
         "title": session.title,
         "history_revision": session.last_seq,
+        # H1: the last message of the active path these messages end.
+        "head_seq": getattr(session, "head_seq", None) or None,
         "messages": [message_frame(m) for m in messages],
         "has_more": has_more,
         "active_turn": active_turn,
@@ -204,6 +211,17 @@ def session_history_frame(
         # H4: the dialog's settings.
         "model": session.effective_model,
         "system_prompt": session.system_prompt,
+    }
+
+
+def path_changed_frame(*, session_id: str, history_revision: int) -> dict[str, Any]:
+    """H1, between processes only: the dialog's active path changed (an edit or regenerate
+    started, a branch was chosen). Each connection showing the dialog answers its client with
+    a fresh `session_history`; clients never receive this frame itself."""
+    return {
+        "type": "path_changed",
+        "session_id": session_id,
+        "history_revision": history_revision,
     }
 
 

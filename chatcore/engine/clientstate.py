@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from channels.layers import get_channel_layer
 
 from chatcore.common import events, publish
-from sessions_app import selectors, usage
+from sessions_app import branches, selectors, usage
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .turns.outcome import present_notice
@@ -103,7 +103,7 @@ def session_history_frame(
     given), oldest first, with the revision, the running turn and the queue."""
     fresh = Session.objects.get(pk=session.pk)
     messages, has_more = selectors.messages_page(
-        session_pk=session.pk, before_seq=before_seq, limit=limit
+        session_pk=session.pk, before_seq=before_seq, limit=limit, session=fresh
     )
     return events.session_history_frame(
         session=fresh,
@@ -131,6 +131,7 @@ def session_state(
         "message_count": session.message_count,
         "total_message_count": session.total_message_count,
         "history_revision": session.last_seq,
+        "head_seq": session.head_seq or None,
         "status": "running" if snapshot is not None else "idle",
         "active_turn": snapshot,
         "queue": queue_items(session),
@@ -150,6 +151,8 @@ def turn_state(turn: Turn) -> dict[str, Any]:
     if turn.status == TurnStatus.COMPLETED and turn.reason:
         # E5: the words for a cut or withheld answer, as its `turn_updated` carried them.
         notice = {"kind": turn.reason, "message": present_notice(turn.reason)}
+    messages = list(turn.messages.order_by("seq"))
+    branches.mark_siblings(turn.session, messages)  # H1: a version shows its siblings
     return {
         "turn_id": str(turn.pk),
         "session_id": turn.session.session_id,
@@ -159,7 +162,7 @@ def turn_state(turn: Turn) -> dict[str, Any]:
         "error": error,
         "notice": notice,
         "client_msg_id": turn.client_msg_id or None,
-        "messages": [events.message_frame(m) for m in turn.messages.order_by("seq")],
+        "messages": [events.message_frame(m) for m in messages],
         # H4: the model it asked and what that model reported.
         "model": turn.model or None,
         "usage": usage.usage_of(turn.usage),

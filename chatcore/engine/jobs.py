@@ -17,7 +17,7 @@ from django.utils.translation import gettext as _
 
 from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db
-from sessions_app import titles, turn_services
+from sessions_app import branches, titles, turn_services
 from sessions_app.models import Compaction, Message, MessageKind, Session, TitleSource
 
 from .provider import provider_from_settings
@@ -112,7 +112,11 @@ def _title_input(session_pk: str, stage: str) -> list[dict[str, str]] | None:
         return None
     if session.title_attempts > len(settings.CHAT["TITLE_RETRY_DELAYS"]):
         return None
-    messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
+    if session.forked:
+        # H1: the active path's first messages, not another branch's.
+        messages = branches.page_from(session, 0, 40)
+    else:
+        messages = list(Message.objects.filter(session_id=session_pk).order_by("seq")[:40])
     transcript = _transcript(messages, limit_chars=6000)
     if not transcript:
         return None
@@ -197,13 +201,18 @@ def _compaction_input(session_pk: str) -> tuple[list[dict[str, str]], int, int] 
     session = Session.objects.filter(pk=session_pk, deleted_at__isnull=True).first()
     if session is None:
         return None
-    latest = Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
-    start = latest.through_seq if latest else 0
-    rows = list(
-        Message.objects.filter(session_id=session_pk, seq__gt=start)
-        .exclude(role="system")
-        .order_by("seq")
-    )
+    if session.forked:
+        # H1: the active path only, after the summary that lies on it.
+        latest, path = branches.path_since_summary(session)
+        rows = [m for m in path if m.role != "system"]
+    else:
+        latest = Compaction.objects.filter(session_id=session_pk).order_by("-through_seq").first()
+        start = latest.through_seq if latest else 0
+        rows = list(
+            Message.objects.filter(session_id=session_pk, seq__gt=start)
+            .exclude(role="system")
+            .order_by("seq")
+        )
     if len(rows) <= KEEP_RECENT:
         return None
     older = rows[:-KEEP_RECENT]

@@ -30,7 +30,7 @@ from chatcore.common.errors import (
     Overloaded,
     QueueFull,
 )
-from sessions_app import rows, selectors, services, storage, turn_services
+from sessions_app import branch_services, rows, selectors, services, storage, turn_services
 from sessions_app.models import (
     Message,
     MessageKind,
@@ -195,6 +195,8 @@ def enqueue_retry(
             started = last.started_at is not None
             if started:
                 mode = TurnMode.RETRY
+            elif last.mode in (TurnMode.EDIT, TurnMode.REGENERATE):
+                mode = TurnMode(last.mode)  # H1: a dropped edit or regenerate is retried as one
             else:
                 # A dropped continuation is retried as one (it has no user message).
                 mode = TurnMode.CONTINUE if last.source.get("continues") else TurnMode.SEND
@@ -223,7 +225,7 @@ def enqueue_continue(
         with transaction.atomic():
             live = lock_live(session.pk)
             cut = continuable_answer(session.pk)
-            if cut is None:
+            if cut is None or (live.forked and cut.seq != live.head_seq):  # H1: on the path
                 raise NothingToContinue()
             turn = enqueue_locked(
                 live,
@@ -329,13 +331,15 @@ def _begin_locked(live: Session, turn: Turn, held: Lease, *, now: Any) -> Starte
     Turn.objects.filter(pk=turn.pk).update(status=TurnStatus.RUNNING, started_at=now)
     turn.status, turn.started_at = TurnStatus.RUNNING, now
     new, leftovers = start_messages(turn)
+    # H1: an edit's user message becomes a sibling; a regenerate moves the head back first.
+    parent = branch_services.turn_branch_start(live, turn)
     appended = None
     if new:
 
         def mark(_locked: Session) -> None:
             turn_services.staged_inputs_record(pks=[i.pk for i in leftovers], turn=turn)
 
-        appended = services.append_locked(live, new, turn=turn, extra=mark)
+        appended = services.append_locked(live, new, turn=turn, extra=mark, parent_seq=parent)
     return Started(turn, held, live, appended, live.generation)
 
 

@@ -22,7 +22,10 @@ from django.db.models import QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.functional import cached_property
 from django.utils.html import format_html
+from django.utils.http import urlencode
 from django.utils.translation import gettext, ngettext
 from django.utils.translation import gettext_lazy as _
 
@@ -30,7 +33,7 @@ from audit.trail import Action, audit_dialog
 from chatcore.common.errors import ChatError
 from chatcore.engine.dialogs import delete_dialog
 
-from .. import search, services
+from .. import branches, search, services
 from ..models import Message, Session, TitleSource, Turn
 from .display import message_preview
 from .files import attachments_html, files_url
@@ -82,7 +85,7 @@ class MessageInline(admin.TabularInline):
     model = Message
     formset = MessageWindowFormSet
     template = "admin/sessions_app/session/message_inline.html"
-    fields = ("seq", "role", "content_preview", "attachments", "status", "created_at")
+    fields = ("seq", "role", "content_preview", "attachments", "versions", "status", "created_at")
     readonly_fields = fields
     ordering = ("seq",)
     extra = 0
@@ -97,6 +100,30 @@ class MessageInline(admin.TabularInline):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    @admin.display(description=_("versions"))
+    def versions(self, obj: Message) -> str:
+        """H1: at a fork of the active path, which version this is, linked to all of them."""
+        forks = self._forks.get(obj.session_id)
+        if forks is None:
+            forks = Session.objects.filter(pk=obj.session_id).values_list("forks", flat=True)[0]
+            self._forks[obj.session_id] = forks or {}
+        kin = (forks or {}).get(branches.fork_key(obj.parent_seq), [])
+        if len(kin) < 2 or obj.seq not in kin:
+            return ""
+        url = reverse("admin:sessions_app_message_changelist")
+        same: dict[str, str | int] = {"session": obj.session_id}
+        if obj.parent_seq is None:
+            same["parent_seq__isnull"] = "True"
+        else:
+            same["parent_seq"] = obj.parent_seq
+        query = urlencode(same)
+        label = gettext("%(n)d of %(total)d") % {"n": kin.index(obj.seq) + 1, "total": len(kin)}
+        return format_html('<a href="{}?{}">{}</a>', url, query, label)
+
+    @cached_property
+    def _forks(self) -> dict[str, dict[str, list[int]]]:
+        return {}
 
     @admin.display(description=_("content"))
     def content_preview(self, obj: Message) -> str:
@@ -269,6 +296,12 @@ class SessionAdmin(
     ) -> tuple[QuerySet[Message], Page[Any]]:
         # A formset cannot take a sliced queryset, so the page is cut out by its seq range.
         queryset: QuerySet[Message] = params["queryset"].filter(session=obj).order_by("seq")
+        path = branches.active_path(obj)
+        if path is not None:
+            # H1: a forked dialog shows its active path; the versions column marks its forks.
+            paginator = Paginator(path, MESSAGE_PAGE_SIZE)
+            page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
+            return queryset.filter(seq__in=list(page.object_list)), page
         paginator = Paginator(queryset.values_list("seq", flat=True), MESSAGE_PAGE_SIZE)
         page = paginator.get_page(request.GET.get(MESSAGE_PAGE_PARAM))
         seqs = list(page.object_list)

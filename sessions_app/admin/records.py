@@ -37,7 +37,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(Message)
 class MessageAdmin(ViewRecordedMixin, ReadOnlyAdmin):
-    list_display = ("session", "seq", "role", "short_content", "created_at")
+    list_display = ("session", "seq", "parent_seq", "role", "short_content", "created_at")
     list_select_related = ("session",)
     list_filter = ("role",)
     search_fields = ("content",)

@@ -12,6 +12,7 @@ import {
   updateReadOnly,
   updateRunning,
 } from "./composer.js";
+import { editRefused, restoreAnchor } from "./branches.js";
 import { leaveDraft } from "./draft.js";
 import { isLinked } from "./format.js";
 import { renderHeader, updateHash } from "./header.js";
@@ -130,7 +131,10 @@ function onSessionHistory(frame) {
   updateReadOnly();
   updateRunning();
   updateHash();
-  scrollToBottom();
+  var anchored = restoreAnchor();
+  if (switched || !anchored) {
+    scrollToBottom();
+  }
   maybeLoadOlder();
   if (switched) {
     closeSidebar();
@@ -351,6 +355,7 @@ function onCommandResult(frame) {
 
 function onError(frame) {
   var id = frame.client_msg_id;
+  editRefused(id);
   if (store.takeSilent(id)) {
     toast(frame.message, "error");
     return;

@@ -4,6 +4,7 @@
  * with Retry and Continue, older pages on scroll, and the scroll position. The running
  * turn's answer is stream.js's.
  */
+import { regenerateAction, userFoot, versionSwitcher } from "./branches.js";
 import { attachmentsView } from "./attachments.js";
 import { fullTime } from "./format.js";
 import { copyText, renderMarkdownInto } from "./markdown.js";
@@ -143,11 +144,8 @@ function renderMessage(m) {
     if (source.kind === "steer" || source.kind === "inject") {
       node.appendChild(el("span", "msg-tag", t(source.kind === "steer" ? "steer" : "context")));
     }
-    if (m.content) {
-      var userFoot = el("div", "msg-foot");
-      userFoot.appendChild(messageActions(m)); // copy your own words too (issue 54)
-      node.appendChild(userFoot);
-    }
+    // Copy your own words (issue 54), their versions and Edit (H1).
+    node.appendChild(userFoot(m, node, m.content ? messageActions(m) : null));
   } else if (m.role === "assistant") {
     if (joinContinuation(m)) {
       return null;
@@ -198,6 +196,10 @@ function renderAnswer(m) {
     node.appendChild(el("p", "md muted", t("stopped_before_text")));
   }
   var foot = el("div", "msg-foot");
+  var versions = versionSwitcher(m);
+  if (versions) {
+    foot.appendChild(versions);
+  }
   if (m.status === "cancelled" || m.status === "interrupted") {
     node.classList.add("msg-partial");
     foot.appendChild(
@@ -208,7 +210,9 @@ function renderAnswer(m) {
     markCut(node, foot, m);
   }
   if (hasText) {
-    foot.appendChild(messageActions(m));
+    var actions = messageActions(m);
+    actions.appendChild(regenerateAction(m)); // H1
+    foot.appendChild(actions);
   }
   if (hasText && !calls) {
     store.setAnswer(m.id, { node: node, text: m.content });

@@ -239,7 +239,9 @@ export function createStore(history) {
       });
       queue.forEach(function (q, index) {
         inflight[q.turn_id] = true;
-        if (q.mode === "retry" || q.mode === "continue" || q.mode === "inject") {
+        // H1: an edit shows in place, a regenerate under its message; neither is a new bubble.
+        var inPlace = q.mode === "edit" || q.mode === "regenerate";
+        if (q.mode === "retry" || q.mode === "continue" || q.mode === "inject" || inPlace) {
           return;
         }
         var p = findPending(q.client_msg_id) || findPendingByTurn(q.turn_id);

@@ -52,6 +52,7 @@ var ICONS = {
   alert: "M12 8v5M12 16.5h.01M10.3 4.2 2.8 17.5A2 2 0 0 0 4.5 20.5h15a2 2 0 0 0 1.7-3L13.7 4.2a2 2 0 0 0-3.4 0z",
   stop: "M7 7h10v10H7z",
   next: "M5 12h12M13 6l6 6-6 6",
+  edit: "M4 20h4L19 9l-4-4L4 16zM14 6l4 4",
 };
 
 export function icon(name) {

@@ -41,6 +41,7 @@ from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from . import attachments
 from .outcome import PendingMessage
+from .paths import forked_context
 
 logger = logging.getLogger(__name__)
 
@@ -630,6 +631,9 @@ class TurnInputBuilder:
         # a dialog longer than that costs one running sum, not one row per message, and
         # the same statement counted those it leaves out.
         skipped = found.skipped
+        if session.forked:  # H1: the active path only (`turns/paths.py`)
+            chars = self.window_of(session) * WINDOW_CHARS_PER_TOKEN
+            return session, *forked_context(self.states, session, appended, chars), found.notes
         if appended is None:
             history = self.states.history(session, after_seq=found.window_start)
         else:

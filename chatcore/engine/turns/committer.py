@@ -353,7 +353,7 @@ def start_messages(
     the steers an earlier failed turn left staged. Returns the messages and those inputs.
     `staged=False`: the caller knows nothing is staged (no read)."""
     new: list[services.NewMessage] = []
-    if turn.mode == "send":
+    if turn.mode in ("send", "edit"):
         source = dict(turn.source)
         new.append(
             services.NewMessage(

@@ -330,7 +330,9 @@ def _purge_one(pk: str, actor: Actor) -> None:
             gone = Session.objects.select_for_update().filter(pk=pk).first()
             if gone is not None:
                 session_delete_with_files(session_pk=pk)  # H3: and the files only it used
-                audit_dialog(actor=actor, action=Action.DIALOG_PURGE, session=gone, purged=True)
+                audit_dialog(
+                    actor=actor, action=Action.DIALOG_PURGE, session=gone, title=gone.title
+                )
 
     storage_retry(write, what="purge")
 

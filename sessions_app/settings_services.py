@@ -12,6 +12,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils.translation import gettext as _
 
+from audit.trail import Action, Actor, audit_dialog
 from chatcore.common import events, publish
 from chatcore.common.errors import BadRequest, NotFound
 from chatcore.common.ids import storable_text
@@ -27,11 +28,16 @@ def settings_changes(session: Session) -> dict[str, Any]:
 
 
 def session_settings_update(
-    *, session: Session, model: str | None = None, system_prompt: str | None = None
+    *,
+    session: Session,
+    model: str | None = None,
+    system_prompt: str | None = None,
+    actor: Actor | None = None,
 ) -> Session:
     """Set the dialog's `model` and/or `system_prompt` (None: unchanged; an empty prompt
     clears it). Messages are untouched: the next turn asks the new model with the new
-    instructions."""
+    instructions. An operator's change (`actor`, from the admin) is recorded (H5); the
+    owner's own choices are not in the audit vocabulary."""
     fields: dict[str, Any] = {}
     if model is not None:
         fields["model"] = model
@@ -54,6 +60,10 @@ def session_settings_update(
             )
             if not updated:
                 raise NotFound(_("Dialog not found."))
+            if actor is not None:
+                # The prompt's length, not its text: the trail keeps no conversation.
+                changed = {k: len(v) if k == "system_prompt" else v for k, v in fields.items()}
+                audit_dialog(actor=actor, action=Action.DIALOG_SETTINGS, session=session, **changed)
 
     storage_retry(write, what="session_settings_update", session=session)
     session.refresh_from_db()

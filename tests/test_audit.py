@@ -205,6 +205,33 @@ def test_an_operator_s_changes_of_memory_notes_are_recorded(
     assert AuditEvent.objects.filter(details__op="delete").count() == 3
 
 
+def test_an_operator_s_change_of_a_dialog_s_settings_is_recorded(
+    client: Client, operator: Any, user: Any, settings: Any
+) -> None:
+    # covers: H5, H4
+    from tests.fakemodel import FakeModelServer
+
+    server = FakeModelServer().start()
+    server.models = ["fake", "big-model"]
+    settings.LLM = {**settings.LLM, "BASE_URL": server.url, "MODEL": "fake", "MODELS": []}
+    try:
+        s = dialog(user, "set")
+        change = reverse("admin:sessions_app_session_change", args=[s.pk])
+        form = {**form_inputs(client.get(change)), **NO_INLINE_FORMS}
+        response = client.post(change, {**form, "model": "big-model", "system_prompt": "Be brief."})
+        assert response.status_code == 302
+        record = only(Action.DIALOG_SETTINGS)
+        assert_by_operator(record, operator, ("dialog", s.pk))
+        # The new model, and the prompt's length only: the trail keeps no instructions.
+        assert (record.details["model"], record.details["system_prompt"]) == ("big-model", 9)
+        # A refused model changes nothing and records nothing.
+        response = client.post(change, {**form, "model": "gpt-17", "system_prompt": "Be brief."})
+        assert response.status_code == 200
+        assert AuditEvent.objects.filter(action=Action.DIALOG_SETTINGS).count() == 1
+    finally:
+        server.stop()
+
+
 # --- Tokens, chat accounts, users ---------------------------------------------------------
 
 

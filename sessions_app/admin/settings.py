@@ -24,6 +24,7 @@ from chatcore.engine.model_catalog import process_catalog
 
 from .. import settings_services, usage
 from ..models import Session
+from .history import admin_actor
 
 DIALOG_SETTINGS_FIELDSET: Any = (
     _("Model and instructions"),
@@ -93,7 +94,9 @@ class DialogSettingsAdminMixin(admin.ModelAdmin):
         if not changed:
             return
         try:
-            settings_services.session_settings_update(session=obj, **changed)
+            settings_services.session_settings_update(
+                session=obj, actor=admin_actor(request), **changed
+            )
         except ChatError as exc:
             self.message_user(request, exc.message, level=messages.ERROR)
 

@@ -1,9 +1,10 @@
 /*
  * Keyboard shortcuts (issue 54) and the "?" sheet that lists them. Ctrl/⌘+Shift+O starts a
- * new dialog, Ctrl/⌘+K focuses the dialog search (when the page has one), ↑ in an empty
- * composer edits your last message (when the page offers editing: `onEditLast`), Esc stops
- * the running answer (app.js), "?" opens the sheet. Single keys act only when no field has
- * the focus, so typing is never taken.
+ * new dialog, ↑ in an empty composer edits your last message (when the page offers editing:
+ * `onEditLast`), "?" opens the sheet. The sheet also lists the shortcuts other modules own:
+ * Ctrl/⌘+K for the dialog search (search.js, when the page has the box), Esc to stop the
+ * running answer (app.js). Single keys act only when no field has the focus, so typing is
+ * never taken.
  */
 import { startDraft } from "./newdialog.js";
 import { $, el, t } from "./ui.js";
@@ -16,7 +17,7 @@ export function onEditLast(handler) {
 }
 
 function searchBox() {
-  return document.querySelector("[data-shortcut='search'], #dialog-search, .sidebar input[type='search']");
+  return document.getElementById("search-input");
 }
 
 var MAC = /Mac|iPhone|iPad/.test(navigator.platform || "");
@@ -75,17 +76,6 @@ function onKey(event) {
   if (mod && event.shiftKey && !event.altKey && key === "o") {
     event.preventDefault();
     startDraft();
-    return;
-  }
-  if (mod && !event.shiftKey && !event.altKey && key === "k") {
-    var box = searchBox();
-    if (box) {
-      event.preventDefault();
-      box.focus();
-      if (box.select) {
-        box.select();
-      }
-    }
     return;
   }
   if (event.key === "ArrowUp" && !mod && !event.shiftKey && !event.altKey && editLast) {

@@ -53,13 +53,17 @@ def fill_history(session: Session, n: int, *, size: int = 300, big_every: int = 
             Message(
                 session_id=session.pk,
                 seq=start + i,
+                # One straight branch (H1): each message follows the one before it.
+                parent_seq=(start + i - 1) or None,
                 role="user" if user_turn or kind == MessageKind.INJECT else "assistant",
                 content=content,
                 source={"kind": kind},
             )
         )
     Message.objects.bulk_create(rows, batch_size=2000)
-    Session.objects.filter(pk=session.pk).update(last_seq=start + n, total_message_count=start + n)
+    Session.objects.filter(pk=session.pk).update(
+        last_seq=start + n, head_seq=start + n, total_message_count=start + n
+    )
     return start + n
 
 

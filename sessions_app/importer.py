@@ -9,16 +9,17 @@ row's counters as the engine keeps them (A2, A3): `last_seq` (the history revisi
 last seq, `total_message_count` = the messages, `message_count` = the user's own; token
 counts are the engine's to make, per message, when a turn first reads them.
 
-Branches: a dialog here is one line of messages (until the message tree of H1), so what is
-imported is the active path: in our JSON from `head_seq` back through `parent_seq`, in a
-ChatGPT conversation from `current_node` back through `parent`. The other branches are
-checked (every parent known, no cycle) but not stored.
+Branches: a document is read as the tree it is (`ImportedDialog`: every message of every
+branch after its parent, and the head: in our JSON `head_seq`, in a ChatGPT conversation
+`current_node`), and stored as one: every branch, the head the document's (H1).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,8 +35,10 @@ from chatcore.common import events, publish
 from chatcore.common.errors import ChatError, TooLarge
 from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
 
+from . import branches
 from .export import FORMAT
-from .models import Message, MessageKind, MessageStatus, Role, Session, TitleSource
+from .files import file_uses_record
+from .models import File, Message, MessageKind, MessageStatus, Role, Session, TitleSource
 from .services import TITLE_MAX, USER_KINDS, new_dialog_id
 from .storage import storage_retry
 
@@ -72,13 +75,28 @@ class ImportedMessage:
     tool_call_id: str = ""
     tool_name: str = ""
     media_refs: list[Any] = field(default_factory=list)
+    # The index (in `ImportedDialog.messages`) of the message this one follows; None: first.
+    parent: int | None = None
 
 
 @dataclass(slots=True)
 class ImportedDialog:
+    """Every message of every branch, each after its parent, and the active path's last
+    (`head`, an index; None for no message)."""
+
     title: str | None
     created_at: datetime | None
     messages: list[ImportedMessage]
+    head: int | None = None
+
+    def active_path(self) -> list[ImportedMessage]:
+        path: list[ImportedMessage] = []
+        index = self.head
+        while index is not None:
+            path.append(self.messages[index])
+            index = self.messages[index].parent
+        path.reverse()
+        return path
 
 
 def max_bytes() -> int:
@@ -235,33 +253,82 @@ def _ours(document: dict[str, Any]) -> ImportedDialog:
         not isinstance(head, int) or isinstance(head, bool) or head not in by_seq
     ):
         raise InvalidDocument(_("head_seq is not a message of the dialog."))
-    path = _walk(head, lambda seq: by_seq[seq].get("parent_seq"), where="parent_seq")
-    # Every message is checked, also those of the branches not stored.
-    checked = {seq: _our_message(item) for seq, item in by_seq.items()}
-    messages = [checked[seq] for seq in path]
+    parents = {seq: item.get("parent_seq") for seq, item in by_seq.items()}
+    _acyclic(parents, where="parent_seq")
+    checked: dict[Any, ImportedMessage | None] = {
+        seq: _our_message(item) for seq, item in by_seq.items()
+    }
+    messages, head_index = _tree(checked, parents, head, order=lambda seq: seq)
     return ImportedDialog(
         title=_title(document.get("title"), ""),
         created_at=_time(document.get("created_at"), "created_at"),
         messages=messages,
+        head=head_index,
     )
 
 
-def _walk(head: Any, parent_of: Any, *, where: str) -> list[Any]:
-    """The path from the root to `head`, oldest first; a cycle is an error."""
-    path: list[Any] = []
-    seen: set[Any] = set()
-    node = head
-    while node is not None:
-        if node in seen:
-            raise InvalidDocument(
-                _("%(where)s: the messages form a cycle at %(node)s.")
-                % {"where": where, "node": str(node)[:60]}
-            )
-        seen.add(node)
-        path.append(node)
-        node = parent_of(node)
-    path.reverse()
-    return path
+def _acyclic(parents: dict[Any, Any], *, where: str) -> None:
+    """Every chain of parents ends at a first message; a cycle is an error, named by a
+    node on it."""
+    done: set[Any] = set()
+    for start in parents:
+        walk: set[Any] = set()
+        node = start
+        while node is not None and node not in done:
+            if node in walk:
+                raise InvalidDocument(
+                    _("%(where)s: the messages form a cycle at %(node)s.")
+                    % {"where": where, "node": str(node)[:60]}
+                )
+            walk.add(node)
+            node = parents[node]
+        done |= walk
+
+
+def _tree(
+    checked: dict[Any, ImportedMessage | None],
+    parents: dict[Any, Any],
+    head: Any,
+    *,
+    order: Callable[[Any], Any],
+) -> tuple[list[ImportedMessage], int | None]:
+    """The messages kept (`checked` values not None), each after its parent, each child's
+    `parent` the index of its nearest kept ancestor; siblings oldest first by `order`. And
+    the index of the head's nearest kept node (itself or an ancestor)."""
+    kept_of: dict[Any, Any] = {}
+
+    def nearest(node: Any) -> Any:
+        chain = []
+        while node is not None and node not in kept_of and checked[node] is None:
+            chain.append(node)
+            node = parents[node]
+        found = kept_of.get(node, node) if node is not None else None
+        for passed in chain:
+            kept_of[passed] = found
+        return found
+
+    children: dict[Any, list[Any]] = {}
+    for node, message in checked.items():
+        if message is not None:
+            children.setdefault(nearest(parents[node]), []).append(node)
+    messages: list[ImportedMessage] = []
+    index: dict[Any, int] = {}
+    waiting = [(order(node), n, node) for n, node in enumerate(children.get(None, []))]
+    heapq.heapify(waiting)
+    tie = len(waiting)
+    while waiting:
+        _key, _n, node = heapq.heappop(waiting)
+        message = checked[node]
+        assert message is not None
+        up = nearest(parents[node])
+        message.parent = index[up] if up is not None else None
+        index[node] = len(messages)
+        messages.append(message)
+        for child in children.get(node, []):
+            tie += 1
+            heapq.heappush(waiting, (order(child), tie, child))
+    top = nearest(head) if head is not None and checked.get(head) is None else head
+    return messages, index.get(top) if top is not None else None
 
 
 def _our_message(item: dict[str, Any]) -> ImportedMessage:
@@ -291,8 +358,12 @@ def _our_message(item: dict[str, Any]) -> ImportedMessage:
             _("%(where)s: tool_calls must be a list of objects.") % {"where": where}
         )
     attachments = item.get("attachments") or []
-    if not isinstance(attachments, list):
-        raise InvalidDocument(_("%(where)s: attachments must be a list.") % {"where": where})
+    if not isinstance(attachments, list) or not all(
+        isinstance(a, dict) and isinstance(a.get("file_id"), str) for a in attachments
+    ):
+        raise InvalidDocument(
+            _("%(where)s: attachments must be a list of objects with a file_id.") % {"where": where}
+        )
     return ImportedMessage(
         role=role,
         content=_text(item["content"], where),
@@ -331,17 +402,21 @@ def _chatgpt(document: dict[str, Any], *, where: str) -> ImportedDialog:
         head = max(leaves, key=lambda k: _node_time(mapping[k]) or 0.0) if leaves else None
     if not isinstance(head, str) or head not in mapping:
         raise InvalidDocument(_("%(where)scurrent_node is not in the mapping.") % {"where": where})
-    path = _walk(head, lambda key: mapping[key].get("parent"), where=f"{where}mapping")
-    # Every node is checked, also those of the branches not stored.
+    parents = {key: node.get("parent") for key, node in mapping.items()}
+    _acyclic(parents, where=f"{where}mapping")
     checked = {
         key: _chatgpt_message(node, where=f"{where}mapping[{key[:60]!r}]")
         for key, node in mapping.items()
     }
-    messages = [m for m in (checked[key] for key in path) if m is not None]
+    # Hidden and tool nodes are left out: a kept message follows its nearest kept ancestor.
+    messages, head_index = _tree(
+        checked, parents, head, order=lambda key: (_node_time(mapping[key]) or 0.0, key)
+    )
     return ImportedDialog(
         title=_title(document.get("title"), where),
         created_at=_time(document.get("create_time"), f"{where}create_time"),
         messages=messages,
+        head=head_index,
     )
 
 
@@ -425,18 +500,28 @@ def dialog_import(
             )
             session.title = dialog.title or session.default_title
             session.title_source = TitleSource.USER if dialog.title else TitleSource.DEFAULT
-            n = len(dialog.messages)
+            # H1: every branch, each message after its parent (so a parent's seq is always
+            # the smaller), the head as the document's; the forks kept on the row.
+            path = dialog.messages
+            n = len(path)
             session.last_seq = n
-            session.head_seq = n  # H1: the imported active path is one straight branch
+            session.head_seq = dialog.head + 1 if dialog.head is not None else 0
+            kids: dict[int | None, list[int]] = {}
+            for seq, m in enumerate(path, start=1):
+                kids.setdefault(m.parent + 1 if m.parent is not None else None, []).append(seq)
+            session.forks = {
+                branches.fork_key(parent): seqs for parent, seqs in kids.items() if len(seqs) > 1
+            }
+            session.forked = bool(session.forks)
             session.total_message_count = n
-            session.message_count = sum(1 for m in dialog.messages if m.kind in USER_KINDS)
+            session.message_count = sum(1 for m in path if m.kind in USER_KINDS)
             session.state_version = 1
             session.save(force_insert=True)
             rows = (
                 Message(
                     session=session,
                     seq=seq,
-                    parent_seq=seq - 1 or None,
+                    parent_seq=m.parent + 1 if m.parent is not None else None,
                     role=m.role,
                     content=m.content,
                     created_at=m.created_at or now,
@@ -447,8 +532,9 @@ def dialog_import(
                     source={"kind": m.kind, "imported": True},
                     status=m.status,
                 )
-                for seq, m in enumerate(dialog.messages, start=1)
+                for seq, m in enumerate(path, start=1)
             )
+            _own_attachments(owner, path)
             batch: list[Message] = []
             for row in rows:
                 batch.append(row)
@@ -457,6 +543,9 @@ def dialog_import(
                     batch = []
             if batch:
                 Message.objects.bulk_create(batch)
+            file_uses_record(
+                session_pk=session.pk, refs=[ref for m in path for ref in m.media_refs]
+            )
             audit_dialog(
                 actor=actor or Actor.of_user(owner),
                 action=Action.DIALOG_IMPORT,
@@ -468,6 +557,28 @@ def dialog_import(
             return session
 
     return storage_retry(write, what="dialog_import")
+
+
+def _own_attachments(owner: User, messages: list[ImportedMessage]) -> None:
+    """H3: an attachment comes along only when it is one of the importer's own files here
+    (another user's file, or one of another server, is left out): a model would otherwise be
+    sent a file its owner never showed this user."""
+    ids = {str(ref["file_id"]) for m in messages for ref in m.media_refs}
+    if not ids:
+        return
+    valid = set()
+    for value in ids:
+        try:
+            valid.add(uuid.UUID(value))
+        except ValueError:
+            continue
+    own = {
+        str(pk)
+        for pk in File.objects.filter(owner=owner, pk__in=valid).values_list("pk", flat=True)
+    }
+    own |= {pk.replace("-", "") for pk in own}
+    for m in messages:
+        m.media_refs = [ref for ref in m.media_refs if str(ref["file_id"]) in own]
 
 
 def _announce(session: Session) -> None:

@@ -254,26 +254,49 @@ async def test_chatgpt_conversation_imports_its_active_branch(
     assert status == 201, created
     assert created["title"] == "Trip to Kyoto" and created["session_id"].startswith("web:")
     messages = [
-        (m.seq, m.role, m.content)
+        (m.seq, m.parent_seq, m.role, m.content)
         async for m in Message.objects.filter(session__dialog_id=created["dialog_id"]).order_by(
             "seq"
         )
     ]
+    # Its branches become ours (H1): both answers follow the question; the current one is
+    # the head.
     assert messages == [
-        (1, "user", "Plan a day in Kyoto"),
-        (2, "assistant", "Fushimi Inari at dawn, then **tea**."),
+        (1, None, "user", "Plan a day in Kyoto"),
+        (2, 1, "assistant", "First draft (the old branch)"),
+        (3, 1, "assistant", "Fushimi Inari at dawn, then **tea**."),
     ]
-    # It behaves like any other dialog: a send sees the imported history; search finds it.
+    status, page = await api.get(f"/sessions/{created['session_id']}/messages")
+    assert [m["content"] for m in page["messages"]] == [
+        "Plan a day in Kyoto",
+        "Fushimi Inari at dawn, then **tea**.",
+    ]
+    assert page["messages"][1]["siblings"] == [2, 3]
+    # It behaves like any other dialog: a send sees the active path; search finds it.
     ack = await api.send(created["session_id"], "And the evening?")
     turn = await api.turn_done(ack["turn_id"])
     assert turn["status"] == "completed", turn
     request = fake_model.turn_requests()[-1]
     assert user_texts(request) == ["Plan a day in Kyoto", "And the evening?"]
     assert any(m["content"] == "Fushimi Inari at dawn, then **tea**." for m in request.messages)
+    assert not any(m["content"] == "First draft (the old branch)" for m in request.messages)
     status, found = await api.get("/search", q="Fushimi")
     assert [i["session_id"] for i in found["items"]] == [created["session_id"]]
     status, session = await api.get(f"/sessions/{created['session_id']}")
-    assert session["history_revision"] == 4 and session["message_count"] == 2
+    assert session["history_revision"] == 5 and session["message_count"] == 2
+    # The export gives the tree back, and the Markdown the active path.
+    _s, body, _r = await _export(api, created["session_id"])
+    doc = json.loads(body)
+    assert [(m["seq"], m["parent_seq"]) for m in doc["messages"]] == [
+        (1, None),
+        (2, 1),
+        (3, 1),
+        (4, 3),
+        (5, 4),
+    ]
+    assert doc["head_seq"] == 5
+    _s, body, _r = await _export(api, created["session_id"], format="markdown")
+    assert "First draft" not in body.decode() and "Fushimi" in body.decode()
 
 
 @pytest.mark.parametrize(
@@ -468,3 +491,42 @@ async def test_a_bad_message_on_another_branch_is_refused_too(api: Api, user: An
     error_of(status, data, 400, "bad_request")
     assert "a1" in data["message"] and "narrator" in data["message"]
     assert await _session_count(user) == 0
+
+
+async def test_attachments_come_along_only_for_the_importer_s_own_files(
+    api: Api, user: Any, other_user: Any, settings: Any, tmp_path: Any
+) -> None:
+    from tests.file_helpers import png_bytes, upload
+
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "default": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "files")},
+        },
+    }
+    status, file = await upload(api, "cat.png", png_bytes())
+    assert status == 201, file
+    session = await api.create()
+    ack = await api.send(session["session_id"], "look", attachments=[file["file_id"]])
+    await api.turn_done(ack["turn_id"])
+    _s, exported, _r = await _export(api, session["session_id"])
+    doc = json.loads(exported)
+    (sent,) = [m for m in doc["messages"] if m.get("attachments")]
+    assert sent["attachments"][0]["file_id"] == file["file_id"]
+
+    # The owner's own import keeps the picture; another user's keeps the text only.
+    status, mine = await _raw(api, "POST", "/sessions/import", exported)
+    assert status == 201, mine
+    other = await bearer_api(other_user)
+    status, theirs = await _raw(other, "POST", "/sessions/import", exported)
+    assert status == 201, theirs
+
+    async def refs(dialog_id: str) -> list[Any]:
+        rows = Message.objects.filter(session__dialog_id=dialog_id, role="user")
+        return [m.media_refs async for m in rows.order_by("seq")]
+
+    assert (await refs(mine["dialog_id"]))[0][0]["file_id"] == file["file_id"]
+    assert await refs(theirs["dialog_id"]) == [[]]
+    status, _data = await other.get(f"/files/{file['file_id']}")
+    assert status == 404

@@ -186,7 +186,7 @@ async def test_an_edit_streams_like_a_send(api: Api, fake_model: Any) -> None:
     assert "echo: other words" in text
 
 
-async def test_export_carries_every_branch_and_import_keeps_the_active_path(
+async def test_export_and_import_carry_every_branch_and_the_active_path(
     api: Api, fake_model: Any
 ) -> None:
     # covers: H1, H2
@@ -217,11 +217,13 @@ async def test_export_carries_every_branch_and_import_keeps_the_active_path(
     status, created = await api.post("/sessions/import", doc)
     assert status == 201, created
     _, page = await api.get(f"/sessions/{created['session_id']}/messages")
-    shown = [(m["content"], m["parent_seq"]) for m in page["messages"]][1:]
-    assert [c for c, _ in shown] == ["second version", "echo: second version"]
-    assert [p for _, p in shown] == [1, 2]
+    shown = page["messages"][1:]
+    assert [m["content"] for m in shown] == ["second version", "echo: second version"]
+    # Every branch comes along: the first version is the shown one's sibling.
+    assert shown[0]["parent_seq"] == 1 and shown[1]["parent_seq"] == shown[0]["seq"]
+    assert len(shown[0]["siblings"]) == 2
     _, state = await api.get(f"/sessions/{created['session_id']}")
-    assert state["head_seq"] == len(page["messages"])
+    assert state["head_seq"] == shown[-1]["seq"]
 
 
 async def test_a_share_freezes_the_active_path(api: Api, fake_model: Any) -> None:

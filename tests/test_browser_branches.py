@@ -1,7 +1,7 @@
 """Edit, regenerate and versions in the web chat, in a real headless Chromium (SPEC H1, E1):
 a user message edited in place (Enter saves and sends, Escape cancels), an answer
 regenerated, and "‹ 1/2 ›" switching back and forth, by mouse and by keyboard, on a desktop
-and a phone-sized screen."""
+and a phone-sized screen, and ↑ in an empty composer editing your last message."""
 
 # ruff: noqa: F811 - the imported fixtures are requested by name as test arguments
 
@@ -132,3 +132,64 @@ def test_switching_keeps_the_reader_where_they_were(tab: Tab) -> None:
     # The keyboard stays on the switcher.
     focused = page.evaluate("document.activeElement.className")
     assert "version-step" in focused
+
+
+def test_arrow_up_in_an_empty_composer_edits_your_last_message(tab: Tab) -> None:
+    # covers: H1, E1
+    page = tab.page
+    tab.send("first words")
+    expect(tab.answers().last).to_have_text("echo: first words")
+    tab.send("last words")
+    expect(tab.answers().last).to_have_text("echo: last words")
+
+    # The "?" sheet lists ↑ (the page offers editing).
+    page.locator("#transcript").focus()
+    page.keyboard.press("Shift+?")
+    sheet = page.locator("#shortcuts-dialog")
+    expect(sheet).to_be_visible()
+    expect(sheet.locator("kbd", has_text="↑")).to_have_count(1)
+    expect(sheet).to_contain_text("Edit your last message")
+    page.keyboard.press("Escape")
+    expect(sheet).to_be_hidden()
+
+    # ↑ in a composer with text moves the caret, nothing opens.
+    composer = page.locator("#composer-input")
+    composer.fill("draft")
+    composer.press("ArrowUp")
+    expect(page.locator("#messages .edit-input")).to_have_count(0)
+    expect(composer).to_be_focused()
+
+    # Empty: ↑ opens the last message's editor; Escape gives the composer back.
+    composer.fill("")
+    composer.press("ArrowUp")
+    last = page.locator("#messages .msg-user").last
+    box = last.locator(".edit-input")
+    expect(box).to_be_focused()
+    expect(box).to_have_value("last words")
+    expect(page.locator("#messages .edit-input")).to_have_count(1)
+    box.press("Escape")
+    expect(page.locator("#messages .edit-input")).to_have_count(0)
+    expect(composer).to_be_focused()
+    assert tab.frames_sent("edit") == []
+
+    # Again, and Enter saves and sends the new version, which is answered.
+    composer.press("ArrowUp")
+    box = page.locator("#messages .msg-user").last.locator(".edit-input")
+    expect(box).to_have_value("last words")
+    box.fill("better last words")
+    box.press("Enter")
+    expect(tab.answers().last).to_have_text("echo: better last words")
+    expect(_user_bubbles(tab)).to_have_text(["first words", "better last words"])
+    expect(page.locator("#messages .msg-user").last.locator(".version-count")).to_have_text("2/2")
+    edits = tab.frames_sent("edit")
+    assert len(edits) == 1 and edits[0]["content"] == "better last words"
+
+
+def test_arrow_up_with_nothing_to_edit_does_nothing(tab: Tab) -> None:
+    # covers: H1, E1
+    page = tab.page
+    composer = page.locator("#composer-input")
+    composer.focus()
+    composer.press("ArrowUp")
+    expect(page.locator("#messages .edit-input")).to_have_count(0)
+    expect(composer).to_be_focused()

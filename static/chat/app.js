@@ -29,6 +29,7 @@
  * backoff and jitter; the server's `sessions` + `session_history` on reopen replace the
  * state (resync). A normal turn never reloads it.
  */
+import { editLastMessage } from "./branches.js";
 import { bindCarry } from "./carry.js";
 import { autosize, bindComposer, sendMessage, stopTurn, updateRunning } from "./composer.js";
 import { dialogFromHash, isLinked } from "./format.js";
@@ -38,7 +39,7 @@ import { bindNewDialog } from "./newdialog.js";
 import { onScroll } from "./render.js";
 import { bindSearch, onSearchFrame } from "./search.js";
 import { bindSettings } from "./settings.js";
-import { bindShortcuts } from "./shortcuts.js";
+import { bindShortcuts, onEditLast } from "./shortcuts.js";
 import { bindSlash } from "./slash.js";
 import { bindSidebar, closeMenu, closeSidebar, isSidebarOpen, renderSidebar } from "./sidebar.js";
 import { store } from "./state.js";
@@ -73,6 +74,7 @@ function init() {
   bindTheme();
   bindComposer();
   bindShortcuts();
+  onEditLast(editLastMessage); // ↑ in an empty composer edits your last message (H1)
   document.addEventListener("keydown", onEscape);
   bindSidebar();
   bindSearch();

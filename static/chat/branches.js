@@ -3,8 +3,10 @@
  * children (`siblings`), Edit on the user's own messages (in place: Enter saves and sends as
  * a new version, Escape cancels) and Regenerate on answers. Switching sends `branch`; the
  * server answers with the new path's `session_history`, and the view keeps the switched
- * message where the reader had it (`restoreAnchor`).
+ * message where the reader had it (`restoreAnchor`). ↑ in an empty composer opens the last
+ * editable message's editor (`editLastMessage`, wired to shortcuts.js by app.js).
  */
+import { store } from "./state.js";
 import { aim, send } from "./transport.js";
 import { $, el, icon, randomId, t, toast } from "./ui.js";
 
@@ -12,6 +14,8 @@ import { $, el, icon, randomId, t, toast } from "./ui.js";
 var anchor = null;
 // Edits sent and not yet shown by a `session_history`: client_msg_id -> how to undo the view.
 var sentEdits = new Map();
+// A shown user message with Edit -> how to open its editor (`opener` gets the focus back).
+var editors = new WeakMap();
 
 function sendOrWarn(frame) {
   if (send(aim(frame))) {
@@ -132,9 +136,41 @@ export function userFoot(m, node, bar) {
     });
     edit.classList.add("edit-btn");
     bar.appendChild(edit);
+    editors.set(node, function (opener) {
+      openEditor(m, node, opener);
+    });
   }
   foot.appendChild(bar);
   return foot;
+}
+
+/** ↑ in an empty composer: open the editor of the newest user message of the shown branch
+ * that can be edited (committed, with text, in a dialog you may write to). False when there
+ * is none, so the key does what it always does. */
+export function editLastMessage() {
+  if (store.isReadOnly()) {
+    return false;
+  }
+  var nodes = document.querySelectorAll("#messages .msg-user");
+  for (var i = nodes.length - 1; i >= 0; i--) {
+    var node = nodes[i];
+    var open = editors.get(node);
+    if (node.classList.contains("msg-pending") || !open) {
+      continue;
+    }
+    var box = node.querySelector(".edit-input");
+    if (!box) {
+      open($("composer-input")); // Escape gives the composer its focus back
+      box = node.querySelector(".edit-input");
+    }
+    if (!box) {
+      return false;
+    }
+    node.scrollIntoView({ block: "nearest" });
+    box.focus({ preventScroll: true });
+    return true;
+  }
+  return false;
 }
 
 function openEditor(m, node, opener) {

@@ -152,7 +152,7 @@ def time_import(count: int, rng: random.Random, vocab: list[str], owner_id: int)
 
     from django.contrib.auth import get_user_model
 
-    from sessions_app import importer
+    from sessions_app import import_writes, importer
 
     document = {
         "format": "chatcore.dialog.v1",
@@ -173,7 +173,7 @@ def time_import(count: int, rng: random.Random, vocab: list[str], owner_id: int)
     started = time.perf_counter()
     dialog = importer.parse_bytes(raw)
     checked = time.perf_counter()
-    importer.dialog_import(owner=owner, dialog=dialog, announce=False)
+    import_writes.dialog_import(owner=owner, dialog=dialog, announce=False)
     done = time.perf_counter()
     print(
         f"import of {count} messages ({len(raw) / 1e6:.1f} MB): checked in"

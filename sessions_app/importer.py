@@ -4,10 +4,11 @@ JSON, or one conversation of a ChatGPT data export (`mapping` of nodes with `par
 
 The document is read and checked whole first (`parse_document`): any problem raises
 `InvalidDocument` naming the first one, before anything is written. Then one transaction
-writes a new dialog of the caller in their web chat (fresh ids) with its messages, and the
-row's counters as the engine keeps them (A2, A3): `last_seq` (the history revision) = the
-last seq, `total_message_count` = the messages, `message_count` = the user's own; token
-counts are the engine's to make, per message, when a turn first reads them.
+(`import_writes.dialog_import`) writes a new dialog of the caller in their web chat (fresh
+ids) with its messages, and the row's counters as the engine keeps them (A2, A3):
+`last_seq` (the history revision) = the last seq, `total_message_count` = the messages,
+`message_count` = the user's own; token counts are the engine's to make, per message, when
+a turn first reads them.
 
 Branches: a document is read as the tree it is (`ImportedDialog`: every message of every
 branch after its parent, and the head: in our JSON `head_seq`, in a ChatGPT conversation
@@ -18,29 +19,20 @@ from __future__ import annotations
 
 import heapq
 import json
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth.models import User
-from django.db import transaction
-from django.utils import timezone
 from django.utils.translation import gettext as _
 
-from audit.trail import Action, Actor, audit_dialog
-from chatcore.common import events, publish
 from chatcore.common.errors import ChatError, TooLarge
-from chatcore.common.ids import SessionKey, owner_chat_id, storable_text
+from chatcore.common.ids import storable_text
 
-from . import branches
 from .export import FORMAT
-from .files import file_uses_record
-from .models import File, Message, MessageKind, MessageStatus, Role, Session, TitleSource
-from .services import TITLE_MAX, USER_KINDS, new_dialog_id
-from .storage import storage_retry
+from .models import MessageKind, MessageStatus, Role
+from .services import TITLE_MAX
 
 ROLES = {r.value for r in Role}
 STATUSES = {s.value for s in MessageStatus}
@@ -54,7 +46,6 @@ DEFAULT_KIND = {
 # ChatGPT's authors; its `tool` and `system` nodes (browsing, code runs, hidden context) have
 # no tool call to pair with here, so only what the user and the assistant wrote comes in.
 CHATGPT_ROLES = {"user", "assistant"}
-WRITE_BATCH = 1000
 
 
 class InvalidDocument(ChatError):
@@ -475,113 +466,3 @@ def chatgpt_conversations(document: Any) -> Iterator[tuple[str, ImportedDialog]]
         if not isinstance(conversation, dict):
             raise InvalidDocument(_("[%(i)d]: not an object.") % {"i": index})
         yield str(conversation.get("title") or index), _chatgpt(conversation, where=f"[{index}] ")
-
-
-# --- Writing --------------------------------------------------------------------------------
-
-
-def dialog_import(
-    *, owner: User, dialog: ImportedDialog, announce: bool = True, actor: Actor | None = None
-) -> Session:
-    """Write a checked dialog as a new dialog of `owner`'s web chat, in one transaction, with
-    its audit record (H5; `actor` None: the owner)."""
-    now = timezone.now()
-    key = SessionKey.build("web", owner_chat_id(owner.pk), new_dialog_id())
-
-    def write() -> Session:
-        with transaction.atomic():
-            session = Session(
-                owner=owner,
-                channel=key.channel,
-                chat_id=key.chat_id,
-                dialog_id=key.dialog_id,
-                created_at=dialog.created_at or now,
-                last_active_at=now,
-            )
-            session.title = dialog.title or session.default_title
-            session.title_source = TitleSource.USER if dialog.title else TitleSource.DEFAULT
-            # H1: every branch, each message after its parent (so a parent's seq is always
-            # the smaller), the head as the document's; the forks kept on the row.
-            path = dialog.messages
-            n = len(path)
-            session.last_seq = n
-            session.head_seq = dialog.head + 1 if dialog.head is not None else 0
-            kids: dict[int | None, list[int]] = {}
-            for seq, m in enumerate(path, start=1):
-                kids.setdefault(m.parent + 1 if m.parent is not None else None, []).append(seq)
-            session.forks = {
-                branches.fork_key(parent): seqs for parent, seqs in kids.items() if len(seqs) > 1
-            }
-            session.forked = bool(session.forks)
-            session.total_message_count = n
-            session.message_count = sum(1 for m in path if m.kind in USER_KINDS)
-            session.state_version = 1
-            session.save(force_insert=True)
-            rows = (
-                Message(
-                    session=session,
-                    seq=seq,
-                    parent_seq=m.parent + 1 if m.parent is not None else None,
-                    role=m.role,
-                    content=m.content,
-                    created_at=m.created_at or now,
-                    tool_calls=m.tool_calls,
-                    tool_call_id=m.tool_call_id,
-                    tool_name=m.tool_name,
-                    media_refs=m.media_refs,
-                    source={"kind": m.kind, "imported": True},
-                    status=m.status,
-                )
-                for seq, m in enumerate(path, start=1)
-            )
-            _own_attachments(owner, path)
-            batch: list[Message] = []
-            for row in rows:
-                batch.append(row)
-                if len(batch) >= WRITE_BATCH:
-                    Message.objects.bulk_create(batch)
-                    batch = []
-            if batch:
-                Message.objects.bulk_create(batch)
-            file_uses_record(
-                session_pk=session.pk, refs=[ref for m in path for ref in m.media_refs]
-            )
-            audit_dialog(
-                actor=actor or Actor.of_user(owner),
-                action=Action.DIALOG_IMPORT,
-                session=session,
-                messages=n,
-            )
-            if announce:
-                transaction.on_commit(lambda: _announce(session))
-            return session
-
-    return storage_retry(write, what="dialog_import")
-
-
-def _own_attachments(owner: User, messages: list[ImportedMessage]) -> None:
-    """H3: an attachment comes along only when it is one of the importer's own files here
-    (another user's file, or one of another server, is left out): a model would otherwise be
-    sent a file its owner never showed this user."""
-    ids = {str(ref["file_id"]) for m in messages for ref in m.media_refs}
-    if not ids:
-        return
-    valid = set()
-    for value in ids:
-        try:
-            valid.add(uuid.UUID(value))
-        except ValueError:
-            continue
-    own = {
-        str(pk)
-        for pk in File.objects.filter(owner=owner, pk__in=valid).values_list("pk", flat=True)
-    }
-    own |= {pk.replace("-", "") for pk in own}
-    for m in messages:
-        m.media_refs = [ref for ref in m.media_refs if str(ref["file_id"]) in own]
-
-
-def _announce(session: Session) -> None:
-    publish.publish_to_chat(
-        session, events.sessions_changed_frame(session_id=session.session_id, change="created")
-    )

@@ -20,7 +20,7 @@ from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import TooLarge
 from chatcore.engine import clientstate, limits, runtime
 
-from . import export, importer, search, selectors, shares
+from . import export, import_writes, importer, search, selectors, shares
 from .routes import _session_links
 from .schemas import ErrorOut, SessionOut, ValidationErrorOut
 from .schemas_carry import SearchOut, ShareOut
@@ -156,7 +156,9 @@ async def import_session(request: HttpRequest) -> Status[Any]:
     dialog = await sync_to_async(_read_import, thread_sensitive=False)(request)
 
     def write() -> dict[str, Any]:
-        session = importer.dialog_import(owner=user, dialog=dialog, actor=_actor(request, user))
+        session = import_writes.dialog_import(
+            owner=user, dialog=dialog, actor=_actor(request, user)
+        )
         return clientstate.session_state(session, engine)
 
     return Status(201, await on_db(write)())

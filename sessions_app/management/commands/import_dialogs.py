@@ -16,7 +16,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 
 from audit.trail import Actor
-from sessions_app import importer
+from sessions_app import import_writes, importer
 
 
 class ProgressBar:
@@ -97,7 +97,7 @@ class Command(BaseCommand):
         progress = ProgressBar(len(dialogs), self.stderr)
         actor = Actor.system(via="manage.py import_dialogs")
         for done, (label, dialog) in enumerate(dialogs, start=1):
-            importer.dialog_import(owner=user, dialog=dialog, actor=actor)
+            import_writes.dialog_import(owner=user, dialog=dialog, actor=actor)
             progress.update(done, label)
         for problem in problems:
             self.stderr.write(f"skipped {problem}")

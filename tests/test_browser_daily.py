@@ -254,8 +254,7 @@ def test_a_table_header_never_breaks_mid_word_on_a_phone(
     model.script(
         Reply(text="| Version | Stable | Released |\n|---|---|---|\n| 5.2 | yes | 2025 |\n")
     )
-    phone.send("/new")
-    expect(page.locator("#messages .msg-system")).to_have_count(1)
+    phone.new_dialog()
     phone.send("Which version?")
     header = phone.answers().last.locator("th").nth(1)
     expect(header).to_have_text("Stable")

@@ -504,9 +504,9 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
     after, _ = model.own_samples(paced=False)
     fast_first = statistics.median(before + after)
     added = [max(0.0, s.ttft - fast_first) * 1000 for s in serial]
-    cpu0 = target.cpu_seconds()
+    burst_cpu0 = target.cpu_seconds()
     burst = asyncio.run(run_clients(target, args.streams, 1, "paced", model.text))
-    burst_cpu = (target.cpu_seconds() - cpu0) / args.streams
+    burst_cpu = (target.cpu_seconds() - burst_cpu0) / args.streams
     wall = max(s.done_at for s in burst) - min(s.sent_at for s in burst)
     offered = args.streams * len(model.text) / paced_total
     delivered = sum(s.chars for s in burst) / wall
@@ -646,6 +646,45 @@ def report(args: argparse.Namespace, runs: list[list[tuple[str, dict[str, Any]]]
             print(f"- {name}: {misses(name, f, one if two else None)}")
 
 
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """`LABEL:VAR=VALUE[,VAR=VALUE...]`: the platform again with that environment added."""
+    label, sep, rest = text.partition(":")
+    pairs = [item.partition("=") for item in rest.split(",") if item]
+    if not sep or not label or not pairs or any(not eq or not key for key, eq, _v in pairs):
+        raise argparse.ArgumentTypeError(f"expected LABEL:VAR=VALUE[,VAR=VALUE], got {text!r}")
+    return label, {key: value for key, _eq, value in pairs}
+
+
+def variant_plans(
+    args: argparse.Namespace, model: Model, tmp: Path, users: int
+) -> list[tuple[str, Any]]:
+    """Each `--variant` as one more target of every mode measured (embedded, and with
+    `--scaled` one PostgreSQL + Redis process): a kept library beside the code that
+    replaces it, in the same run (SPEC I1)."""
+    plans: list[tuple[str, Any]] = []
+    for label, extra in args.variant:
+        if "embedded" not in args.skip:
+            folder = tmp / f"emb-{label}"
+            folder.mkdir()
+
+            def embedded(folder: Path = folder, label: str = label, extra: Any = extra) -> Target:
+                env = platform_env(model, folder, **extra)
+                return start_platform(f"platform, embedded [{label}]", env, tmp, 1, users)
+
+            plans.append((f"embedded [{label}]", embedded))
+        if args.scaled and "scaled 1" not in args.skip:
+
+            def scaled(label: str = label, extra: Any = extra) -> Target:
+                env, drop = scaled_env(model, tmp, args.database_url, args.redis_url)
+                env.update(extra)
+                target = start_platform(f"platform, PG + Redis [{label}]", env, tmp, 1, users)
+                target.cleanup.append(drop)
+                return target
+
+            plans.append((f"scaled 1 [{label}]", scaled))
+    return plans
+
+
 def main(args: argparse.Namespace) -> None:
     model = Model(args)
     tmp = Path(tempfile.mkdtemp(prefix="compare-bench-"))
@@ -673,6 +712,7 @@ def main(args: argparse.Namespace) -> None:
             plans.append((f"scaled {n}", plan))
     if args.skip:
         plans = [(label, start) for label, start in plans if label not in args.skip]
+    plans += variant_plans(args, model, tmp, users)
     (tmp / "emb").mkdir()
     runs = []
     try:
@@ -721,6 +761,14 @@ if __name__ == "__main__":
         default=[],
         choices=["embedded", "scaled 1", "scaled 2"],
         help="leave a target out (the floor always runs: every figure is a ratio to it)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="also the platform with this environment added (a library beside its replacement)",
     )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))

@@ -14,6 +14,15 @@ most once per `DROP_LOG_INTERVAL_SECONDS` with the count since the last line, so
 sees it and the log is not flooded. The client that missed a snapshot tail sees a gap in the
 next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that missed a
 history delta sees a gap in the revisions and asks for the history (D3).
+
+A connection joins and leaves its groups in one call (`group_add_many`, `group_discard_many`),
+and the process's caches of what connections are sent hear every group message as it is sent
+(`add_group_listener`, `publish.GroupListener`).
+
+A channel's unread messages wait in an `Inbox`, not an `asyncio.Queue`: every open socket's
+reader waits on its channel all its life, and a queue (four deques, an event) cost an idle
+socket 3 KiB, more than the rest of its own state (issue 57). The inbox keeps the queue's
+behaviour here (first in, first out, a capacity, one reader at a time woken per message).
 """
 
 from __future__ import annotations
@@ -21,11 +30,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Iterable
 from copy import deepcopy
 from typing import Any
 
 from channels.exceptions import ChannelFull
 from channels.layers import InMemoryChannelLayer
+
+from .publish import GroupListener
 
 CLEAN_INTERVAL_SECONDS = 1.0
 DROP_LOG_INTERVAL_SECONDS = 10.0
@@ -46,6 +59,71 @@ def copy_message(value: Any) -> Any:
     return deepcopy(value)
 
 
+class Inbox:
+    """A channel's unread messages, `(expires, message)` in order, at most `maxsize` (0: no
+    bound); a reader awaiting `get` holds a future only while it waits."""
+
+    __slots__ = ("items", "maxsize", "waiters")
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.items: deque[tuple[float, dict[str, Any]]] | None = None
+        self.waiters: deque[asyncio.Future[None]] | None = None
+
+    def qsize(self) -> int:
+        return len(self.items) if self.items is not None else 0
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def full(self) -> bool:
+        return 0 < self.maxsize <= self.qsize()
+
+    def put_nowait(self, item: tuple[float, dict[str, Any]]) -> None:
+        if self.items is None:
+            self.items = deque()
+        self.items.append(item)
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def get_nowait(self) -> tuple[float, dict[str, Any]]:
+        assert self.items, "the inbox is empty"
+        item = self.items.popleft()
+        if not self.items:
+            self.items = None  # an idle inbox holds no deque
+        return item
+
+    async def get(self) -> tuple[float, dict[str, Any]]:
+        while not self.items:
+            waiter = asyncio.get_running_loop().create_future()
+            if self.waiters is None:
+                self.waiters = deque()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if not waiter.cancelled() and self.items:
+                    self._wake_next()  # woken, then cancelled: another reader takes it
+                raise
+            finally:
+                if self.waiters is not None:
+                    if waiter in self.waiters:
+                        self.waiters.remove(waiter)
+                    if not self.waiters:
+                        self.waiters = None
+        return self.get_nowait()
+
+    def _wake_next(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 class LocalChannelLayer(InMemoryChannelLayer):
     """`InMemoryChannelLayer` with amortised expiry cleanup and a direct group fan-out."""
 
@@ -54,13 +132,28 @@ class LocalChannelLayer(InMemoryChannelLayer):
     dropped = 0
     _dropped_unlogged = 0
     _dropped_logged_at = -DROP_LOG_INTERVAL_SECONDS
+    # Told of every group message sent (`add_group_listener`).
+    listeners: tuple[GroupListener, ...] = ()
 
     def _clean_expired(self) -> None:
+        """Channels' sweep, on the inboxes: unread messages past their expiry dropped (their
+        channel leaves its groups, as a reader that is gone), memberships past theirs."""
         now = time.monotonic()
         if now - self._cleaned_at < CLEAN_INTERVAL_SECONDS:
             return
         self._cleaned_at = now
-        super()._clean_expired()
+        wall = time.time()
+        for channel, inbox in list(self.channels.items()):
+            while not inbox.empty() and inbox.items is not None and inbox.items[0][0] < wall:
+                inbox.get_nowait()
+                self._remove_from_groups(channel)
+                if inbox.empty():
+                    self.channels.pop(channel, None)
+        timeout = int(wall) - self.group_expiry
+        for members in self.groups.values():
+            for name, joined in list(members.items()):
+                if joined and joined < timeout:
+                    members.pop(name, None)
 
     async def flush(self) -> None:
         await super().flush()
@@ -72,13 +165,13 @@ class LocalChannelLayer(InMemoryChannelLayer):
         of closed connections do not stay behind."""
         self.require_valid_channel_name(channel)
         self._clean_expired()
-        queue = self.channels.get(channel)
-        if queue is None:
-            queue = self.channels[channel] = asyncio.Queue(maxsize=self.get_capacity(channel))
+        inbox = self.channels.get(channel)
+        if inbox is None:
+            inbox = self.channels[channel] = Inbox(self.get_capacity(channel))
         try:
-            _expires, message = await queue.get()
+            _expires, message = await inbox.get()
         finally:
-            if queue.empty() and self.channels.get(channel) is queue:
+            if inbox.empty() and inbox.waiters is None and self.channels.get(channel) is inbox:
                 del self.channels[channel]
         return message
 
@@ -89,17 +182,41 @@ class LocalChannelLayer(InMemoryChannelLayer):
         self._put(channel, message)
 
     def _put(self, channel: str, message: dict[str, Any]) -> None:
-        queue = self.channels.get(channel)
-        if queue is None:
-            queue = self.channels[channel] = asyncio.Queue(maxsize=self.get_capacity(channel))
-        if queue.full():
+        inbox = self.channels.get(channel)
+        if inbox is None:
+            inbox = self.channels[channel] = Inbox(self.get_capacity(channel))
+        if inbox.full():
             raise ChannelFull(channel)
-        queue.put_nowait((time.time() + self.expiry, copy_message(message)))
+        inbox.put_nowait((time.time() + self.expiry, copy_message(message)))
+
+    async def group_add(self, group: str, channel: str) -> None:
+        await self.group_add_many((group,), channel)
+
+    async def group_add_many(self, groups: Iterable[str], channel: str) -> None:
+        """`group_add` of each group (joined now: memberships expire `group_expiry` later)."""
+        self.require_valid_channel_name(channel)
+        joined = time.time()
+        for group in groups:
+            self.require_valid_group_name(group)
+            self.groups.setdefault(group, {})[channel] = joined
+
+    async def group_discard_many(self, groups: Iterable[str], channel: str) -> None:
+        for group in groups:
+            members = self.groups.get(group)
+            if members is not None:
+                members.pop(channel, None)
+                if not members:
+                    del self.groups[group]
+
+    def add_group_listener(self, listener: GroupListener) -> None:
+        self.listeners = (*self.listeners, listener)
 
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         """Every member gets its own copy; a full member misses this one (as in the base)."""
         assert isinstance(message, dict), "Message is not a dict"
         self.require_valid_group_name(group)
+        for listener in self.listeners:
+            listener.heard(group)
         self._clean_expired()
         for channel in list(self.groups.get(group, ())):
             try:

@@ -14,11 +14,12 @@ its terminal, one publish); consumers and SSE streams relay each frame as it is,
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Protocol
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
@@ -35,7 +36,9 @@ _engine_loop: asyncio.AbstractEventLoop | None = None
 _spawn: Spawn | None = None
 
 
+@functools.lru_cache(maxsize=65536)
 def chat_group(channel: str, chat_id: str) -> str:
+    """A chat's group name (one string per chat, shared by the sockets that join it)."""
     digest = hashlib.sha1(f"{channel}:{chat_id}".encode(), usedforsecurity=False).hexdigest()
     return f"chat.{digest[:32]}"
 
@@ -46,6 +49,52 @@ def session_group(session_pk: str) -> str:
 
 def engine_control_group() -> str:
     return "engine.control"
+
+
+# --- Joining and hearing groups ---------------------------------------------------------------
+
+
+class GroupListener(Protocol):
+    """Told by the process's channel layer of every message a group gets here (`heard`: one
+    sent from this process, or one from another that reached this process's subscription),
+    and when the layer may have lost some (`lost`): what the per-process caches of the
+    connections' state (`engine.lists`) are dropped by."""
+
+    def heard(self, group: str) -> None: ...
+
+    def lost(self) -> None: ...
+
+
+def listen(layer: Any, listener: GroupListener) -> bool:
+    """Have `layer` tell `listener` of its groups' messages; False when it cannot (a layer
+    other than the project's own: then nothing may be cached on its word)."""
+    add = getattr(layer, "add_group_listener", None)
+    if add is None:
+        return False
+    add(listener)
+    return True
+
+
+async def join(layer: Any, groups: Iterable[str], channel: str) -> None:
+    """`channel` joins every group of `groups` in one go on the project's layers (a socket's
+    login, chat and dialog groups: one subscription command on Redis, not one each), one by
+    one on any other layer."""
+    many = getattr(layer, "group_add_many", None)
+    if many is not None:
+        await many(list(groups), channel)
+        return
+    for group in groups:
+        await layer.group_add(group, channel)
+
+
+async def leave(layer: Any, groups: Iterable[str], channel: str) -> None:
+    """`channel` leaves every group of `groups` (as `join`)."""
+    many = getattr(layer, "group_discard_many", None)
+    if many is not None:
+        await many(list(groups), channel)
+        return
+    for group in groups:
+        await layer.group_discard(group, channel)
 
 
 def bind_loop(loop: asyncio.AbstractEventLoop | None, spawn: Spawn | None = None) -> None:

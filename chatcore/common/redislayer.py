@@ -34,6 +34,12 @@ comes.
 
 Delivery across processes is unchanged: Redis pub/sub, at most once; a frame lost with a
 connection is the layer watch's business (`engine/layerwatch.py`).
+
+A connection joins and leaves its groups in one call (`group_add_many`, `group_discard_many`:
+one SUBSCRIBE or UNSUBSCRIBE for the groups this process did not follow yet, or no longer
+follows). The process's caches of what connections are sent (`engine.lists`) hear of every
+group message the layer sends or receives (`add_group_listener`), and of a lost subscribing
+connection, when messages may have gone unheard.
 """
 
 from __future__ import annotations
@@ -41,8 +47,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import deque
-from collections.abc import Callable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import hiredis
@@ -53,6 +59,8 @@ from channels_redis.pubsub import (
 )
 from channels_redis.utils import _wrap_close, create_pool, decode_hosts
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+
+from .publish import GroupListener
 
 # A lost subscribing connection is opened again after this long, and then once as often.
 RESUBSCRIBE_SECONDS = 1.0
@@ -257,30 +265,39 @@ class PipelinedShardConnection(RedisSingleShardConnection):
     # --- subscriptions ------------------------------------------------------------------
 
     async def subscribe(self, channel: str) -> None:
+        await self.subscribe_many([channel])
+
+    async def subscribe_many(self, channels: Iterable[str]) -> None:
+        """One SUBSCRIBE for those of `channels` the shard is not subscribed to yet."""
         async with self._lock:
-            if channel in self._subscribed_to:
+            new = [c for c in dict.fromkeys(channels) if c not in self._subscribed_to]
+            if not new:
                 return
-            self._subscribed_to.add(channel)
+            self._subscribed_to.update(new)
             if self._resubscriber is not None and not self._resubscriber.done():
-                # A lost connection is opened again on its own schedule, with this channel:
+                # A lost connection is opened again on its own schedule, with these channels:
                 # not at once, or the frames lost meanwhile might hold no ping (G5).
                 return
             try:
                 if self._subscriber is None or not self._subscriber.usable:
-                    await self._open_subscriber()  # subscribes to every channel, this one too
+                    await self._open_subscriber()  # subscribes to every channel, these too
                 else:
-                    self._subscriber.write([("SUBSCRIBE", channel)])
+                    self._subscriber.write([("SUBSCRIBE", *new)])
             except BaseException:
-                self._subscribed_to.discard(channel)
+                self._subscribed_to.difference_update(new)
                 raise
 
     async def unsubscribe(self, channel: str) -> None:
+        await self.unsubscribe_many([channel])
+
+    async def unsubscribe_many(self, channels: Iterable[str]) -> None:
         async with self._lock:
-            if channel not in self._subscribed_to:
+            gone = [c for c in dict.fromkeys(channels) if c in self._subscribed_to]
+            if not gone:
                 return
-            self._subscribed_to.discard(channel)
+            self._subscribed_to.difference_update(gone)
             if self._subscriber is not None and self._subscriber.usable:
-                self._subscriber.write([("UNSUBSCRIBE", channel)])
+                self._subscriber.write([("UNSUBSCRIBE", *gone)])
 
     async def _open_subscriber(self) -> None:
         """A new subscribing connection, subscribed to every channel of the shard."""
@@ -295,6 +312,7 @@ class PipelinedShardConnection(RedisSingleShardConnection):
         if lost is not self._subscriber:
             return  # closed on purpose (`flush`), or already replaced
         self._subscriber = None
+        self.channel_layer.channel_layer.lost()
         if self._subscribed_to and (self._resubscriber is None or self._resubscriber.done()):
             self._resubscriber = asyncio.get_running_loop().create_task(
                 self._resubscribe(), name="redis-layer-resubscribe"
@@ -317,6 +335,7 @@ class PipelinedShardConnection(RedisSingleShardConnection):
                     logger.warning("the channel layer cannot subscribe again yet: %s", exc)
                     continue
             logger.info("the channel layer subscribed again after its connection was lost")
+            self.channel_layer.channel_layer.lost()  # what was heard meanwhile is unknown
             return
 
     def _on_push(self, push: Any) -> None:
@@ -334,6 +353,8 @@ class PipelinedShardConnection(RedisSingleShardConnection):
         if queue is not None:
             queue.put_nowait(data)
             return
+        if name.startswith(layer.group_prefix):
+            layer.channel_layer.heard(name[len(layer.group_prefix) :])
         for member in layer.groups.get(name, ()):
             queue = layer.channels.get(member)
             if queue is not None:
@@ -357,6 +378,34 @@ class PipelinedLoopLayer(RedisPubSubLoopLayer):
         # Per loop layer, not per process: another loop's layer of this process has its own
         # consumers, which hear this one's frames through Redis.
         self.origin = _MARK + uuid.uuid4().bytes
+        self.group_prefix = self._get_group_channel_name("")
+
+    async def group_add_many(self, groups: Iterable[str], channel: str) -> None:
+        """`group_add` of each group: one SUBSCRIBE per shard for those not followed yet."""
+        if channel not in self.channels:
+            raise RuntimeError("group_add_many() needs a channel of this process")
+        by_shard: defaultdict[Any, list[str]] = defaultdict(list)
+        for group in groups:
+            name = self._get_group_channel_name(group)
+            self.groups.setdefault(name, set()).add(channel)
+            by_shard[self._get_shard(name)].append(name)
+        for shard, names in by_shard.items():
+            await shard.subscribe_many(names)
+
+    async def group_discard_many(self, groups: Iterable[str], channel: str) -> None:
+        """`group_discard` of each group: one UNSUBSCRIBE per shard for those left empty."""
+        by_shard: defaultdict[Any, list[str]] = defaultdict(list)
+        for group in groups:
+            name = self._get_group_channel_name(group)
+            members = self.groups.get(name)
+            if members is None or channel not in members:
+                continue
+            members.discard(channel)
+            if not members:
+                del self.groups[name]
+                by_shard[self._get_shard(name)].append(name)
+        for shard, names in by_shard.items():
+            await shard.unsubscribe_many(names)
 
     async def send(self, channel: str, message: dict[str, Any]) -> None:
         data = self.channel_layer.serialize(message)
@@ -374,6 +423,7 @@ class PipelinedLoopLayer(RedisPubSubLoopLayer):
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         group_channel = self._get_group_channel_name(group)
         data = self.channel_layer.serialize(message)
+        self.channel_layer.heard(group)
         for name in self.groups.get(group_channel, ()):
             queue = self.channels.get(name)
             if queue is not None:
@@ -385,8 +435,28 @@ class RedisPubSubLayer(RedisPubSubChannelLayer):
     """`RedisPubSubChannelLayer` whose per-loop layers pipeline their publishes and deliver
     their own consumers' frames directly."""
 
+    # Told of every group message (`add_group_listener`).
+    listeners: tuple[GroupListener, ...] = ()
+
     async def send_by_server(self, channel: str, message: dict[str, Any]) -> None:
         await self._get_layer().send_by_server(channel, message)
+
+    async def group_add_many(self, groups: Iterable[str], channel: str) -> None:
+        await self._get_layer().group_add_many(groups, channel)
+
+    async def group_discard_many(self, groups: Iterable[str], channel: str) -> None:
+        await self._get_layer().group_discard_many(groups, channel)
+
+    def add_group_listener(self, listener: GroupListener) -> None:
+        self.listeners = (*self.listeners, listener)
+
+    def heard(self, group: str) -> None:
+        for listener in self.listeners:
+            listener.heard(group)
+
+    def lost(self) -> None:
+        for listener in self.listeners:
+            listener.lost()
 
     def _get_layer(self) -> PipelinedLoopLayer:
         loop = asyncio.get_running_loop()

@@ -38,6 +38,28 @@ def token_for_raw(raw: str | None) -> ApiToken | None:
     return token
 
 
+def tokens_for_raw(raws: list[str]) -> list[ApiToken | None]:
+    """`token_for_raw` of several keys in one statement (the sockets of a reconnect storm,
+    `ws_auth`), in order; the last-used stamps that are due in one more."""
+    hashes = [hash_token(raw.strip()) for raw in raws]
+    found = {
+        token.key_hash: token
+        for token in ApiToken.objects.select_related("user").filter(
+            key_hash__in=set(hashes), revoked_at__isnull=True
+        )
+        if token.user.is_active
+    }
+    now = timezone.now()
+    due = [
+        token.pk
+        for token in found.values()
+        if token.last_used_at is None or (now - token.last_used_at).total_seconds() > 60
+    ]
+    if due:
+        ApiToken.objects.filter(pk__in=due).update(last_used_at=now)
+    return [found.get(digest) for digest in hashes]
+
+
 def bearer_from_header(value: str | None) -> str | None:
     if not value:
         return None

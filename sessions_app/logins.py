@@ -38,7 +38,10 @@ from django.db.models.signals import post_delete, post_save
 from django.utils import timezone
 from django.utils.crypto import constant_time_compare
 
+from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
+
+from . import login_cache
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +108,20 @@ def end_logins(
 ) -> None:
     """F8: close every connection of these logins, in every process, once the change that
     ended them is committed (STYLE 3)."""
+    user_ids, session_keys, token_ids = list(user_ids), list(session_keys), list(token_ids)
     groups = [user_group(pk) for pk in user_ids]
     groups += [session_group(key) for key in session_keys if key]
     groups += [token_group(pk) for pk in token_ids]
     if groups:
+        # No socket opened from now on reuses a lookup of these logins (`login_cache`); once
+        # more at the commit, for a lookup made meanwhile from before the change.
+        def forget() -> None:
+            login_cache.cache().forget(
+                user_ids=user_ids, session_keys=session_keys, token_ids=token_ids
+            )
+
+        forget()
+        transaction.on_commit(forget)
         transaction.on_commit(lambda: _broadcast(groups))
 
 
@@ -177,12 +190,12 @@ def connect_signals() -> None:
         post_delete.connect(_on_session_deleted, sender=model, dispatch_uid="f8-session-deleted")
 
 
-def _session_store() -> Any:
+def session_store() -> Any:
     return import_module(settings.SESSION_ENGINE).SessionStore
 
 
 def _session_model() -> Any:
-    store = _session_store()
+    store = session_store()
     get_model = getattr(store, "get_model_class", None)
     return get_model() if get_model is not None else None
 
@@ -237,7 +250,7 @@ def _live_session_keys(keys: set[str]) -> set[str]:
                 "session_key", flat=True
             )
         )
-    store = _session_store()
+    store = session_store()
     if settings.SESSION_ENGINE.endswith("signed_cookies"):
         return keys  # nothing is stored server-side: the other checks still apply
     return {key for key in keys if store().exists(key)}
@@ -318,17 +331,13 @@ def watch() -> LoginWatch:
 
 async def join(channel: str, login: Login) -> None:
     """A connection of `login` starts: it joins the login's groups and the re-check."""
-    layer = get_channel_layer()
-    for group in login.groups():
-        await layer.group_add(group, channel)
+    await publish.join(get_channel_layer(), login.groups(), channel)
     watch().add(channel, login)
 
 
 async def leave(channel: str, login: Login) -> None:
     watch().discard(channel)
-    layer = get_channel_layer()
-    for group in login.groups():
-        try:
-            await layer.group_discard(group, channel)
-        except Exception:
-            logger.warning("leaving %s failed", group)
+    try:
+        await publish.leave(get_channel_layer(), login.groups(), channel)
+    except Exception:
+        logger.warning("leaving the login's groups failed")

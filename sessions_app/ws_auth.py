@@ -11,7 +11,10 @@ Two ways in:
   unauthenticated.
 
 Either way the scope gets `login` (`sessions_app.logins.Login`): the credential the
-connection rides on, so ending it closes the connection (F8).
+connection rides on, so ending it closes the connection (F8). A login found is reused by the
+next sockets of the same token or session for a few seconds (`login_cache`: a reconnect storm
+looks each login up once); a session is read with Django's own session store and
+`django.contrib.auth.get_user` (its password-hash check included) on a database thread.
 
 It never refuses the handshake itself: the consumer accepts and closes with 4401, so a client
 can tell "not logged in" from a network failure.
@@ -19,18 +22,26 @@ can tell "not logged in" from a network failure.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 from urllib.parse import urlparse
 
-from channels.auth import AuthMiddlewareStack
 from django.conf import settings
+from django.contrib.auth import get_user
 from django.contrib.auth.models import AnonymousUser
+from django.http.cookie import parse_cookie
 from django.http.request import split_domain_port, validate_host
 
+from chatcore.common import dbthreads
 from chatcore.common.dbthreads import on_db_idempotent
+from chatcore.engine import runtime
+from chatcore.engine.engine import Engine
+from chatcore.engine.gather import Gathered
 
-from .auth import bearer_from_header, token_for_raw
-from .logins import login_for_session, login_for_token
+from . import login_cache
+from .auth import bearer_from_header, hash_token, token_for_raw, tokens_for_raw
+from .logins import Login, login_for_session, login_for_token, session_store
+from .models import ApiToken
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -108,44 +119,94 @@ def origin_allowed(scope: dict[str, Any]) -> bool:
 
 
 class ChatAuthMiddleware:
-    """Puts `user` (a User or AnonymousUser) and `auth` ("bearer", "session" or None) into the
-    scope of a WebSocket connection."""
+    """Puts `user` (a User or AnonymousUser), `auth` ("bearer", "session" or None) and
+    `login` into the scope of a WebSocket connection."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        # Cookie -> session -> user, run only when the Origin is allowed.
-        self.session_auth = AuthMiddlewareStack(_MarkSession(inner))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
         if scope["type"] != "websocket":
             return await self.inner(scope, receive, send)
+        found: tuple[Any, Login] | None = None
         raw = bearer_from_header(_header(scope, b"authorization"))
         if raw is not None:
-            token = await on_db_idempotent(token_for_raw)(raw)
-            if token is None:
-                scope = dict(scope, user=AnonymousUser(), auth=None, login=None)
-            else:
-                login = login_for_token(token.user, token.pk)
-                scope = dict(scope, user=token.user, auth="bearer", login=login)
-            return await self.inner(scope, receive, send)
-        if origin_allowed(scope):
-            return await self.session_auth(scope, receive, send)
-        return await self.inner(
-            dict(scope, user=AnonymousUser(), auth=None, login=None), receive, send
+            found = await _token_login(raw)
+            auth = "bearer"
+        elif origin_allowed(scope):
+            found = await _session_login(scope)
+            auth = "session"
+        if found is None:
+            scope = dict(scope, user=AnonymousUser(), auth=None, login=None)
+        else:
+            scope = dict(scope, user=found[0], auth=auth, login=found[1])
+        return await self.inner(scope, receive, send)
+
+
+# The token lookups of each engine's sockets, gathered (`_token_lookups`).
+_lookups: weakref.WeakKeyDictionary[Engine, Gathered[str, ApiToken | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def _token_lookups() -> Gathered[str, ApiToken | None]:
+    """Token lookups made while others are under way go together (`gather.Gathered`): one
+    statement for the sockets of a storm, under the engine's supervisor (F1)."""
+    engine = await runtime.get_engine()
+    lookups = _lookups.get(engine)
+    if lookups is None:
+        lookups = _lookups[engine] = Gathered(
+            "token-lookups",
+            tokens_for_raw,
+            spawn=engine.supervisor.spawn,
+            alone_limit=max(1, dbthreads.thread_count() // 3),
+            max_batch=128,
         )
+    return lookups
 
 
-class _MarkSession:
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+async def _token_login(raw: str) -> tuple[Any, Login] | None:
+    cache = login_cache.cache()
+    key = login_cache.token_key(hash_token(raw.strip()))
+    found = cache.get(key)
+    if found is not None:
+        return found
+    lookups = await _token_lookups()
+    token = await lookups(raw, lambda: on_db_idempotent(token_for_raw)(raw))
+    if token is None:
+        return None
+    login = login_for_token(token.user, token.pk)
+    cache.put(key, token.user, login)
+    return token.user, login
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
-        # channels' AuthMiddleware has resolved its lazy user by now; hand on the real object
-        # (it goes into the engine's Inbound and ORM filters).
-        user = getattr(scope.get("user"), "_wrapped", None)
-        login = login_for_session(user, scope.get("session"))
-        if not getattr(user, "is_authenticated", False) or login is None:
-            return await self.inner(
-                dict(scope, user=AnonymousUser(), auth=None, login=None), receive, send
-            )
-        return await self.inner(dict(scope, user=user, auth="session", login=login), receive, send)
+
+async def _session_login(scope: dict[str, Any]) -> tuple[Any, Login] | None:
+    """The login of the session the cookie names: its user when the session is live and
+    its password hash still holds (Django's `get_user`, which flushes one that does not)."""
+    key = parse_cookie(_header(scope, b"cookie") or "").get(settings.SESSION_COOKIE_NAME)
+    if not key:
+        return None
+    cache = login_cache.cache()
+    found = cache.get(login_cache.session_key_of(key))
+    if found is not None:
+        return found
+    found = await on_db_idempotent(_read_session_login)(key)
+    if found is not None:
+        cache.put(login_cache.session_key_of(key), *found)
+    return found
+
+
+class _SessionRequest:
+    """What `get_user` reads of a request: its session."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+
+def _read_session_login(key: str) -> tuple[Any, Login] | None:
+    session = session_store()(session_key=key)
+    user = get_user(_SessionRequest(session))  # type: ignore[arg-type]
+    login = login_for_session(user, session)
+    if not getattr(user, "is_authenticated", False) or login is None:
+        return None
+    return user, login

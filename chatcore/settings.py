@@ -313,6 +313,15 @@ CHAT: dict[str, Any] = {
     # F8: how often each process re-checks the logins of its open sockets and SSE streams
     # (logout, revocation and deactivation also close them at once through the layer).
     "LOGIN_CHECK_SECONDS": _env_int("CHAT_LOGIN_CHECK_SECONDS", 3),
+    # F8, issue 57: how long a socket's login lookup (token or session) is reused by the next
+    # sockets of that login; with the re-check above, a login ended unannounced in another
+    # process closes the sockets opened meanwhile within their sum (5 s).
+    "LOGIN_CACHE_SECONDS": _env_int("CHAT_LOGIN_CACHE_SECONDS", 2),
+    # Issue 57: the most a user's `sessions` list is kept for the next socket (it is dropped
+    # at once on any change announced to the user's chats), and the JSON of the dialogs'
+    # newest pages kept for the sockets that open them.
+    "SESSIONS_CACHE_SECONDS": _env_int("CHAT_SESSIONS_CACHE_SECONDS", 10),
+    "PAGE_CACHE_MAX_BYTES": _env_int("CHAT_PAGE_CACHE_MAX_BYTES", 32 * 1024 * 1024),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
     # G6/F7: threads that run the engine's and the async views' database calls side by side.

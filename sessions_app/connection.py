@@ -85,6 +85,20 @@ async def run_command(
 class ChannelConnection:
     """One client of one chat on the channel layer (see the module docstring)."""
 
+    __slots__ = (
+        "engine",
+        "actor",
+        "user",
+        "channel",
+        "chat_id",
+        "layer",
+        "reply_channel",
+        "chat_group",
+        "session_group",
+        "current",
+        "relay",
+    )
+
     def __init__(
         self,
         *,
@@ -149,10 +163,12 @@ class ChannelConnection:
         self.current = session
         self.relay.reset()
 
+    def groups(self) -> tuple[str, ...]:
+        """The groups this connection follows: its chat's and its current dialog's."""
+        return (self.chat_group, self.session_group) if self.session_group else (self.chat_group,)
+
     async def leave(self) -> None:
-        for group in (self.chat_group, self.session_group):
-            if group:
-                await self.layer.group_discard(group, self.reply_channel)
+        await publish.leave(self.layer, self.groups(), self.reply_channel)
 
     # --- relaying --------------------------------------------------------------------------
 

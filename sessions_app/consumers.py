@@ -9,34 +9,43 @@ nor loses anything.
 
 Client frames are handled one at a time, in order (a `send` after `/new` lands in the new
 dialog); each connection is its own task, so a slow frame never holds up another connection.
+
+A connect (PROTOCOL "On connect"): the login's, the chat's and the user's other chats' groups
+joined in one go; the user's list and, from it, the current dialog (B1) as this process
+keeps them (`engine.openings.lists`), else read; the dialog's group; then its newest page, or
+for a client that says what it holds (`opening.Holds`) the delta from there, with the running
+turn and the queue (`engine.openings.open`, gathered with other sockets' opening meanwhile).
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qs
 
+from channels.exceptions import StopConsumer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.http.cookie import parse_cookie
-from django.utils import translation
+from django.utils import timezone, translation
 from django.utils.translation import gettext as _
 
 from audit.trail import scope_ip
-from chatcore.common import events
+from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, RateLimited
 from chatcore.common.ids import owner_chat_id, validate_part
 from chatcore.engine import commands, limits, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
+from chatcore.engine.lists import SessionList
+from chatcore.engine.opening import Holds, Opening
 
 from . import logins, search, selectors
 from .connection import ChannelConnection, resolve_attachments
 from .frames import optional_int, parse_client_frame
 from .models import Session
 from .settings_services import settings_changes
-from .ws_events import CHANNEL, ChatEventsConsumer
+from .ws_events import CHANNEL, ChatEventsConsumer, chat_groups
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,19 @@ def _header(scope: dict[str, Any], name: bytes) -> str:
         if key == name:
             return str(value.decode("latin1"))
     return ""
+
+
+def _resolved(listing: SessionList, requested: str | None, cfg: Any) -> Session | None:
+    """B1 from the user's list: the requested dialog, else the most recently active one if
+    within the TTL; None when the list cannot tell (the dialog is older than the list's, or
+    none is recent: a new one is made)."""
+    if requested:
+        return listing.web_dialog(requested)
+    if not listing.web:
+        return None
+    latest = listing.web[0]
+    ttl = timedelta(seconds=int(cfg["SESSION_TTL_SECONDS"]))
+    return latest if latest.last_active_at >= timezone.now() - ttl else None
 
 
 def _language(scope: dict[str, Any]) -> str:
@@ -108,23 +130,62 @@ class ChatConsumer(ChatEventsConsumer):
             ip=scope_ip(self.scope),
             via="websocket",
         )
-        self.start_relaying()
         self.login = self.scope.get("login")
-        if self.login is not None:
-            # F8: before anything else, so an ending login is never missed.
-            await logins.join(self.channel_name, self.login)
-        requested = parse_qs(self.scope.get("query_string", b"").decode("latin1")).get(
-            "dialog_id", [None]
-        )[0]
+        holds = Holds.from_query(self.scope.get("query_string", b""))
+        lists = self.engine.openings.lists
         with translation.override(self.language):
-            # D3: join the fan-out before reading any state, so nothing falls in between.
-            await self.conn.join_chat()
-            current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)
+            # F8 and D3: the login's groups (before anything else, so an ending login is never
+            # missed) and the chat's (before reading any state, so nothing falls in between),
+            # with the other chats the user's last list showed, in one go.
+            chats = chat_groups(self.chat_id) | lists.known_groups(user.pk)
+            logged = self.login.groups() if self.login is not None else ()
+            await publish.join(self.channel_layer, (*logged, *chats), self.channel_name)
+            if self.login is not None:
+                logins.watch().add(self.channel_name, self.login)
+            lists.watch(user.pk, self.channel_name, chats)
+            self.linked_groups = chats - {self.conn.chat_group}
+            listing, current = await self._open_list(holds.dialog_id)
             await self.accept()
             await self.conn.follow(current)
-            await self._send_sessions()
-            await self._send_history(current)
+            resume = holds.since is not None and holds.dialog_id == current.dialog_id
+            opened = await self.engine.openings.open(
+                Opening(current, holds.since, holds.last_id) if resume else Opening(current)
+            )
+            await self._send_sessions(listing=listing, etag=holds.sessions_etag)
+            frame = opened.frame
+            self.history_shown(frame["session_id"], frame["history_revision"], opened.recent)
+            self.conn.seed(opened.active_turn)
+            await self._send(frame)
         self.engine.layer_watch.register(self._layer_lost)
+
+    async def _open_list(self, requested: str | None) -> tuple[SessionList, Session]:
+        """The user's list (`_listing`) and the connection's dialog (B1: the requested one,
+        else the most recently active within the TTL, else a new one): from the list when it
+        shows that dialog, else resolved in the database (a dialog made then is the list's
+        newest)."""
+        assert self.conn is not None
+        listing = await self._listing()
+        current = _resolved(listing, requested, self.engine.cfg)
+        if current is None:
+            current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)
+            newest = listing.web[0].last_active_at if listing.web else None
+            listed = any(s.pk == current.pk for s in listing.web)
+            if not listed and (newest is None or current.last_active_at >= newest):
+                listing = listing.with_newest(current)  # made just now: the most recent
+        return listing, current
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        # As for client frames (`ChatEventsConsumer.dispatch`): no hop to a thread to close
+        # database connections before a connect or after a disconnect (channels' own); their
+        # reads run through `on_db`, which does that on the database thread itself.
+        if kind == "websocket.connect":
+            await self.websocket_connect(message)
+        elif kind == "websocket.disconnect":
+            await self.disconnect(message["code"])
+            raise StopConsumer()
+        else:
+            await super().dispatch(message)
 
     async def websocket_connect(self, message: dict[str, Any]) -> None:
         try:
@@ -137,13 +198,20 @@ class ChatConsumer(ChatEventsConsumer):
     async def _unregister(self) -> None:
         if self.registered:
             self.registered = False
-            await on_db(self.engine.sockets.close)(self.scope["user"].pk, self.channel_name)
+            close = self.engine.sockets.close
+            if settings.SCALED:
+                await on_db(close)(self.scope["user"].pk, self.channel_name)
+            else:
+                close(self.scope["user"].pk, self.channel_name)  # this process's count only
 
     async def _register(self, user: User) -> bool:
         """F7: count this socket among the user's open ones; past the bound, refuse it with
         a `rate_limited` error frame and close code 4429."""
         limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
-        opened = await on_db(self.engine.sockets.open)(user.pk, self.channel_name, limit)
+        if settings.SCALED:  # a Redis round trip: off the loop
+            opened = await on_db(self.engine.sockets.open)(user.pk, self.channel_name, limit)
+        else:
+            opened = self.engine.sockets.open(user.pk, self.channel_name, limit)
         if opened:
             self.registered = True
             return True
@@ -162,16 +230,15 @@ class ChatConsumer(ChatEventsConsumer):
         await self._unregister()
         if self.user is None or self.conn is None:
             return
-        if self.login is not None:
-            await logins.leave(self.channel_name, self.login)
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.layer_watch.unregister(self._layer_lost)
+        self.engine.layer_watch.unregister(self._layer_lost)
+        self.engine.openings.lists.unwatch(self.user.pk, self.channel_name)
         if self.sessions_task is not None:
             self.sessions_task.cancel()
-        await self.conn.leave()
-        for group in self.linked_groups:
-            await self.channel_layer.group_discard(group, self.channel_name)
+        groups = [*self.conn.groups(), *self.linked_groups]
+        if self.login is not None:
+            logins.watch().discard(self.channel_name)
+            groups += self.login.groups()
+        await publish.leave(self.channel_layer, groups, self.channel_name)
 
     async def _layer_lost(self) -> None:
         await self.close(code=CLOSE_RESYNC)
@@ -298,7 +365,7 @@ class ChatConsumer(ChatEventsConsumer):
         if "session" in result.effects and result.current is not None:
             frame = events.session_updated_frame(session=result.current)
             # The same frame also arrives through the chat group; it is not sent twice.
-            self.echoed_updates[frame["session_id"]] = frame
+            self.echoed(frame)
             await self._send(frame)
 
     async def _on_stop(self, data: dict[str, Any], client_msg_id: str | None) -> None:
@@ -405,7 +472,7 @@ class ChatConsumer(ChatEventsConsumer):
         )
         frame = events.session_updated_frame(session=session, **settings_changes(session))
         # The same frame also arrives through the chat group; it is not sent twice.
-        self.echoed_updates[frame["session_id"]] = frame
+        self.echoed(frame)
         await self._send({**frame, "client_msg_id": client_msg_id} if client_msg_id else frame)
 
     HANDLERS = {

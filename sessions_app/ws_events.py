@@ -7,6 +7,13 @@ applying contiguously through the `ChannelConnection`'s relay (D1, D3); deltas a
 already held are not sent twice; a burst of dialog changes yields one `sessions` refresh; an
 ended login stops everything (F8). `consumers.ChatConsumer` adds the connection's lifecycle
 and the client's frames.
+
+The `sessions` list is the user's list this process keeps for all its sockets
+(`engine.openings.lists`), read when none is kept; every `sessions` frame carries its `etag`.
+What a socket keeps of its own is small (an idle socket costs little, issue 57): its state
+besides the connection is made when first needed, and what it shares with the other sockets
+of its user or dialog (the list's dialogs and groups, a page's message ids) it holds by
+reference.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db_idempotent
-from chatcore.engine.clientstate import session_history_frame, sessions_frame
+from chatcore.engine.clientstate import session_history_frame, sessions_listing
 from chatcore.engine.engine import Engine
+from chatcore.engine.lists import SessionList
+from chatcore.engine.opening import RECENT_IDS
 
-from . import logins, selectors
+from . import login_cache, logins, selectors
 from .connection import ChannelConnection
 from .models import Session
 
@@ -46,8 +55,19 @@ REFRESH_SESSIONS = "sessions.refresh"
 ENDED_TURNS_KEPT = 256
 
 
-def _membership(frame: dict[str, Any]) -> tuple[str | None, frozenset[str]]:
-    return frame["current"], frozenset(item["session_id"] for item in frame["items"])
+def chat_groups(chat_id: str) -> frozenset[str]:
+    """The groups of the user's own chats a socket follows from its start: the web chat's,
+    and the API's and terminal's, whose dialogs the web chat lists too (issue 54)."""
+    return frozenset(
+        publish.chat_group(channel, chat_id) for channel in (CHANNEL, *OWN_OTHER_CHANNELS)
+    )
+
+
+def read_listing(*, owner_id: int, chat_id: str) -> SessionList:
+    """The user's `sessions` list as the web chat shows it (synchronous, ORM)."""
+    return sessions_listing(
+        owner_id=owner_id, channel=CHANNEL, chat_id=chat_id, others=OWN_OTHER_CHANNELS
+    )
 
 
 async def dispatch_in_turn(
@@ -57,13 +77,16 @@ async def dispatch_in_turn(
     """What channels' `await_many_dispatch` does for a consumer (each message of `sources`
     dispatched in the order its source gave it, one dispatch at a time, the next message of
     a source read once its last one was dispatched), with fewer turns of the event loop per
-    message: each source has one task that reads it and dispatches what it read there and
-    then, under a lock the sources share. channels makes a task per message and waits for
-    it with `asyncio.wait`, whose callback wakes the consumer's own task: three turns of the
-    loop between a frame put in the consumer's queue and its send to the socket, where this
+    message: each source is read by a pump that dispatches what it read there and then,
+    under a lock the sources share. channels makes a task per message and waits for it with
+    `asyncio.wait`, whose callback wakes the consumer's own task: three turns of the loop
+    between a frame put in the consumer's queue and its send to the socket, where this
     takes one (every frame of every stream, and a turn's first token, pay them on the loop
-    all sockets share). Ends with the first source task that ends: `StopConsumer` or an
-    error of a dispatch is raised here, and the other task is cancelled."""
+    all sockets share). The first source is pumped by the calling task itself, the others
+    by a task each (an idle socket holds one task besides its own, issue 57). Ends with the
+    first pump that ends: `StopConsumer` or an error of a dispatch is raised here, and the
+    other pumps are cancelled (never in the middle of a dispatch: only one runs at a
+    time)."""
     dispatching = asyncio.Lock()
 
     async def pump(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -72,16 +95,32 @@ async def dispatch_in_turn(
             async with dispatching:  # taken at once when no other dispatch is under way
                 await dispatch(message)
 
-    pumps = [asyncio.ensure_future(pump(receive)) for receive in sources]
+    first, *rest = sources
+    this = asyncio.current_task()
+    assert this is not None
+
+    def ended(helper: asyncio.Future[None]) -> None:
+        if not helper.cancelled() and not this.done():
+            this.cancel()  # this pump ends with it; its outcome is raised below
+
+    helpers = [asyncio.ensure_future(pump(receive)) for receive in rest]
+    for helper in helpers:
+        helper.add_done_callback(ended)
     try:
-        done, _pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()
+        await pump(first)
+    except asyncio.CancelledError:
+        done = next((h for h in helpers if h.done() and not h.cancelled()), None)
+        if done is None:
+            raise  # cancelled from outside
+        this.uncancel()
+        done.result()  # its StopConsumer or error; a pump ends no other way
+        raise
     finally:
-        for task in pumps:
-            task.cancel()
+        for helper in helpers:
+            helper.remove_done_callback(ended)
+            helper.cancel()
         # Their ends collected (the one raised above included), none raised again here.
-        await asyncio.gather(*pumps, return_exceptions=True)
+        await asyncio.gather(*helpers, return_exceptions=True)
 
 
 class ChatEventsConsumer(AsyncWebsocketConsumer):
@@ -104,6 +143,14 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     # The current dialog was deleted elsewhere and no other was left: the next frame that
     # needs it resolves one as in B1.
     current_gone = False
+    # Made when first needed (see the module docstring): turns whose terminal this socket
+    # relayed (a late snapshot of one is dropped); `session_updated` frames this socket sent
+    # itself, which come back through the chat group; per dialog, the newest message ids
+    # of the last history sent with its revision (a delta of only those is not sent again;
+    # H1: a path change it already shows is not sent again).
+    ended: deque[str] | None = None
+    echoed_updates: dict[str, dict[str, Any]] | None = None
+    history_sent: dict[str, tuple[int, frozenset[str]]] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """channels' `AsyncConsumer.__call__`, dispatching with `dispatch_in_turn`."""
@@ -118,15 +165,17 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         with contextlib.suppress(StopConsumer):
             await dispatch_in_turn(sources, self.dispatch)
 
-    def start_relaying(self) -> None:
-        """Per-connection state, set once the connection is authenticated."""
-        self.ended: deque[str] = deque(maxlen=ENDED_TURNS_KEPT)
-        self.echoed_updates: dict[str, dict[str, Any]] = {}
-        # Per dialog, the message ids of the last `session_history` (latest page) sent.
-        self.history_sent: dict[str, frozenset[str]] = {}
-        # Per dialog, the revision of that `session_history` (H1: a path change it already
-        # shows is not sent again).
-        self.revision_sent: dict[str, int] = {}
+    def echoed(self, frame: dict[str, Any]) -> None:
+        """`frame` (a `session_updated`) was sent by this socket itself: the same frame from
+        the chat group is not sent twice."""
+        if self.echoed_updates is None:
+            self.echoed_updates = {}
+        self.echoed_updates[frame["session_id"]] = frame
+
+    def history_shown(self, session_id: str, revision: int, recent: frozenset[str]) -> None:
+        if self.history_sent is None:
+            self.history_sent = {}
+        self.history_sent[session_id] = (revision, recent)
 
     @property
     def current(self) -> Session | None:
@@ -148,38 +197,55 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             return
         await self.send(text_data=events.frame_text(frame))
 
-    async def _send_sessions(self, client_msg_id: str | None = None) -> None:
-        assert self.user is not None
-        frame = await on_db_idempotent(sessions_frame)(
-            owner_id=self.user.pk,
-            channel=CHANNEL,
-            chat_id=self.chat_id,
-            current=self.current,
-            linked=True,
-        )
-        await self._join_linked(frame)
-        self.sessions_shown = _membership(frame)
+    async def _listing(self) -> SessionList:
+        """The user's list this process keeps, else read (and kept when nothing this socket
+        hears changed meanwhile, `lists.SessionLists.put`)."""
+        assert self.user is not None and self.conn is not None
+        lists = self.engine.openings.lists
+        listing = lists.get(self.user.pk)
+        if listing is None:
+            owner_id, chat_id = self.user.pk, self.chat_id
+            listing = await lists.read(
+                owner_id,
+                self.conn.chat_group,
+                lambda: on_db_idempotent(read_listing)(owner_id=owner_id, chat_id=chat_id),
+            )
+        await self._join_linked(listing)
+        return listing
+
+    async def _send_sessions(
+        self,
+        client_msg_id: str | None = None,
+        listing: SessionList | None = None,
+        *,
+        etag: str | None = None,
+    ) -> None:
+        """`sessions`, or when the client holds this list already (`etag`, PROTOCOL "On
+        connect") the same with `unchanged` and no items."""
+        if listing is None:
+            listing = await self._listing()
+        self.sessions_shown = (self.current.dialog_id if self.current else None, listing.members)
+        if etag is not None and etag == listing.etag:
+            frame = listing.unchanged_frame(self.current)
+        else:
+            frame = listing.frame(self.current)
         if client_msg_id is not None:
-            frame = {**frame, "client_msg_id": client_msg_id}
+            frame["client_msg_id"] = client_msg_id
         await self._send(frame)
 
-    async def _join_linked(self, frame: dict[str, Any]) -> None:
-        """Follow the chats of the other dialogs a `sessions` frame lists (linked chat-app
-        dialogs, the user's API and terminal dialogs): their deltas, terminals and renames
-        reach this connection as the web chat's do."""
-        groups = {
-            publish.chat_group(item["channel"], item["chat_id"])
-            for item in frame["items"]
-            if (item["channel"], item["chat_id"]) != (CHANNEL, self.chat_id)
-        }
-        # The user's own API and terminal chats even before they hold a dialog: one made by
-        # `POST /sessions` appears in the list at once (its `sessions_changed`).
-        groups |= {publish.chat_group(channel, self.chat_id) for channel in OWN_OTHER_CHANNELS}
-        for group in groups - self.linked_groups:
-            await self.channel_layer.group_add(group, self.channel_name)
-        for group in self.linked_groups - groups:
-            await self.channel_layer.group_discard(group, self.channel_name)
-        self.linked_groups = frozenset(groups)
+    async def _join_linked(self, listing: SessionList) -> None:
+        """Follow the chats of the other dialogs the list shows (linked chat-app dialogs, the
+        user's API and terminal dialogs, the latter even before they hold a dialog: one made
+        by `POST /sessions` appears in the list at once, by its `sessions_changed`): their
+        deltas, terminals and renames reach this connection as the web chat's do."""
+        groups = listing.groups
+        if groups == self.linked_groups:
+            return
+        await publish.join(self.channel_layer, groups - self.linked_groups, self.channel_name)
+        await publish.leave(self.channel_layer, self.linked_groups - groups, self.channel_name)
+        self.linked_groups = groups  # the list's own set, shared
+        assert self.user is not None
+        self.engine.openings.lists.watch(self.user.pk, self.channel_name, groups)
 
     async def _send_history(
         self,
@@ -196,8 +262,11 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             kwargs["limit"] = limit
         frame = await on_db_idempotent(session_history_frame)(**kwargs)
         if before_seq is None:
-            self.history_sent[frame["session_id"]] = frozenset(m["id"] for m in frame["messages"])
-            self.revision_sent[frame["session_id"]] = frame["history_revision"]
+            self.history_shown(
+                frame["session_id"],
+                frame["history_revision"],
+                frozenset(m["id"] for m in frame["messages"][-RECENT_IDS:]),
+            )
             if self.conn is not None and self.current is not None and session.pk == self.current.pk:
                 # The client replaces its view of the running turn with `active_turn`; tails
                 # continue from there (D3).
@@ -235,32 +304,34 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         elif kind == "sessions_changed":
             self._sessions_changed(frame)
         elif kind == "session_updated":
-            if self.echoed_updates.get(frame.get("session_id", "")) == frame:
-                del self.echoed_updates[frame["session_id"]]
+            echoed = self.echoed_updates
+            if echoed is not None and echoed.get(frame.get("session_id", "")) == frame:
+                del echoed[frame["session_id"]]
                 return
             await self._send(frame)
         elif kind == "turn_updated":
             if self.conn is not None:
                 self.conn.relay.forget(frame["turn_id"])
+            if self.ended is None:
+                self.ended = deque(maxlen=ENDED_TURNS_KEPT)
             self.ended.append(frame["turn_id"])
             await self._send(frame)
         elif kind == "path_changed":
             # H1: the active path changed (here or in another process): the client replaces
             # its view of the dialog it shows; other dialogs load theirs when opened.
             current = self.current
-            if (
-                current is not None
-                and frame.get("session_id") == current.session_id
-                and self.revision_sent.get(current.session_id, -1) < frame["history_revision"]
-            ):
-                await self._send_history(current)
+            if current is not None and frame.get("session_id") == current.session_id:
+                revision, _ids = (self.history_sent or {}).get(current.session_id, (-1, None))
+                if revision < frame["history_revision"]:
+                    await self._send_history(current)
         elif kind == "history_delta":
-            # D2: every dialog of the chat; a delta whose messages a `session_history` sent
-            # after it was published already holds (e.g. the welcome of a dialog created on
-            # connect or by /new) is not sent again. Compared by message id, not revision: a
-            # re-created dialog reuses its session id and starts again at seq 1.
-            shown = self.history_sent.get(frame["session_id"])
-            if shown is not None and all(m["id"] in shown for m in frame["messages"]):
+            # D2: every dialog of the chat; a delta whose messages a history sent after it
+            # was published already holds (e.g. the welcome of a dialog created on connect or
+            # by /new; the newest of them are kept, `opening.RECENT_IDS`) is not sent again.
+            # Compared by message id, not revision: a re-created dialog reuses its session id
+            # and starts again at seq 1.
+            shown = (self.history_sent or {}).get(frame["session_id"])
+            if shown is not None and all(m["id"] in shown[1] for m in frame["messages"]):
                 return
             await self._send(frame)
         else:
@@ -273,6 +344,8 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         if self.login_over:
             return
         self.login_over = True
+        if self.login is not None:
+            login_cache.cache().forget_login(self.login)  # ended in another process, maybe
         await self.close(code=logins.CLOSE_LOGIN_ENDED)
 
     async def _relay_snapshot(self, frame: dict[str, Any]) -> None:
@@ -285,7 +358,7 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
             or frame.get("session_id") != self.current.session_id
         ):
             return  # a frame still in flight from the dialog this connection left
-        if frame.get("turn_id") in self.ended:
+        if self.ended is not None and frame.get("turn_id") in self.ended:
             return
         out = await self.conn.relay_snapshot(frame)
         if out is not None:
@@ -321,32 +394,29 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         """One fresh `sessions` frame, none when nothing this client sees changed."""
         assert self.user is not None and self.current is not None
         user, current = self.user, self.current
+        listing = await self._listing()
+        # By primary key: a re-created dialog may carry the deleted one's id.
+        if not any(s.pk == current.pk for s in listing.web):
 
-        def read() -> tuple[dict[str, Any], bool, Session | None]:
-            frame = sessions_frame(
-                owner_id=user.pk,
-                channel=CHANNEL,
-                chat_id=self.chat_id,
-                current=current,
-                linked=True,
-            )
-            # By primary key: a re-created dialog may carry the deleted one's id.
-            if selectors.live_sessions_for_owner(owner_id=user.pk).filter(pk=current.pk).exists():
-                return frame, False, None
-            # Deleted elsewhere (another tab, the API, an operator): move to the most recent
-            # live dialog, as `/delete` does; never create one from here.
-            remaining = selectors.dialog_list_for_chat(
-                owner_id=user.pk, channel=CHANNEL, chat_id=self.chat_id, limit=1
-            )
-            return frame, True, remaining[0] if remaining else None
+            def read() -> tuple[bool, Session | None]:
+                if (
+                    selectors.live_sessions_for_owner(owner_id=user.pk)
+                    .filter(pk=current.pk)
+                    .exists()
+                ):
+                    return False, None  # live, older than the list's dialogs
+                # Deleted elsewhere (another tab, the API, an operator): move to the most
+                # recent live dialog, as `/delete` does; never create one from here.
+                remaining = selectors.dialog_list_for_chat(
+                    owner_id=user.pk, channel=CHANNEL, chat_id=self.chat_id, limit=1
+                )
+                return True, remaining[0] if remaining else None
 
-        frame, gone, replacement = await on_db_idempotent(read)()
-        if replacement is not None:
-            await self._move(replacement)
-            return
-        self.current_gone = gone
-        await self._join_linked(frame)
-        if _membership(frame) == self.sessions_shown:
+            gone, replacement = await on_db_idempotent(read)()
+            if replacement is not None:
+                await self._move(replacement)
+                return
+            self.current_gone = gone
+        if (current.dialog_id, listing.members) == self.sessions_shown:
             return  # e.g. the echo of this connection's own /new or /delete
-        self.sessions_shown = _membership(frame)
-        await self._send(frame)
+        await self._send_sessions(listing=listing)

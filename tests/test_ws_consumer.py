@@ -59,13 +59,13 @@ async def test_first_connect_reads_the_dialog_list_once(
     from sessions_app import ws_events
 
     reads: list[str] = []
-    real = ws_events.sessions_frame
+    real = ws_events.sessions_listing
 
     def counted(**kwargs: Any) -> Any:
         reads.append(kwargs["chat_id"])
         return real(**kwargs)
 
-    monkeypatch.setattr(ws_events, "sessions_frame", counted)
+    monkeypatch.setattr(ws_events, "sessions_listing", counted)
     # The user has no dialog yet: connecting creates it (with its welcome, B2), and the
     # creation's own `sessions_changed` comes back to this very connection.
     ws = await connect(user)

@@ -196,6 +196,25 @@ def session_history_frame(
 ) -> dict[str, Any]:
     """PROTOCOL `session_history`: a page of messages, oldest first, with the revision, the
     running turn's snapshot and the queue."""
+    return history_page_frame(
+        session=session,
+        messages=[message_frame(m) for m in messages],
+        has_more=has_more,
+        active_turn=active_turn,
+        queue=queue,
+    )
+
+
+def history_page_frame(
+    *,
+    session: Any,
+    messages: list[dict[str, Any]] | Embedded,
+    has_more: bool,
+    active_turn: dict[str, Any] | None,
+    queue: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """`session_history` of message frames, or of their JSON made already (`Embedded`: a page
+    the process keeps, sent as it is to every socket that opens its dialog)."""
     return {
         "type": "session_history",
         "session_id": session.session_id,
@@ -204,11 +223,41 @@ def session_history_frame(
         "history_revision": session.last_seq,
         # H1: the last message of the active path these messages end.
         "head_seq": getattr(session, "head_seq", None) or None,
-        "messages": [message_frame(m) for m in messages],
+        "messages": messages,
         "has_more": has_more,
         "active_turn": active_turn,
         "queue": queue,
         # H4: the dialog's settings.
+        "model": session.effective_model,
+        "system_prompt": session.system_prompt,
+    }
+
+
+def resume_delta_frame(
+    *,
+    session: Any,
+    base_revision: int,
+    messages: list[dict[str, Any]],
+    active_turn: dict[str, Any] | None,
+    queue: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """PROTOCOL "On connect": instead of `session_history`, what a reconnecting client lacks
+    after the revision it holds (`base_revision`; no message when nothing came), with the
+    running turn (`active_turn`, as in `session_history`), the queue and the dialog's
+    settings. Unlike a turn's delta it may be empty, and its `history_revision` is the
+    dialog's."""
+    return {
+        "type": "history_delta",
+        "session_id": session.session_id,
+        "dialog_id": session.dialog_id,
+        "turn_id": None,
+        "base_revision": base_revision,
+        "history_revision": session.last_seq,
+        "messages": messages,
+        "active_turn": active_turn,
+        "queue": queue,
+        "title": session.title,
+        "head_seq": getattr(session, "head_seq", None) or None,
         "model": session.effective_model,
         "system_prompt": session.system_prompt,
     }
@@ -282,9 +331,40 @@ def login_ended_frame(message: str) -> dict[str, Any]:
     return {"type": "error", "code": "unauthorized", "message": message}
 
 
+class Embedded:
+    """A part of a frame as its JSON text, made once and written into every frame that holds
+    it as it is (`frame_text`): a history page the process sends to many sockets. What
+    orjson refuses is kept as it is and written with the rest of its frame."""
+
+    __slots__ = ("json", "raw")
+
+    def __init__(self, value: Any) -> None:
+        self.raw: Any = None
+        self.json: bytes | None = None
+        try:
+            self.json = orjson.dumps(value, default=str, option=_FRAME_OPTIONS)
+        except TypeError:
+            self.raw = value
+
+    def __len__(self) -> int:
+        return len(self.json) if self.json is not None else 0
+
+
 # Datetimes and dataclasses go to `default` (`str`), as the json module's `default=str` has them;
 # orjson would write its own forms of them.
 _FRAME_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+
+
+def _to_orjson(value: Any) -> Any:
+    if isinstance(value, Embedded):
+        return orjson.Fragment(value.json) if value.json is not None else value.raw
+    return str(value)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Embedded):
+        return json.loads(value.json) if value.json is not None else value.raw
+    return str(value)
 
 
 def frame_text(frame: dict[str, Any]) -> str:
@@ -296,6 +376,6 @@ def frame_text(frame: dict[str, Any]) -> str:
     `Enum` would be written as its value, not as its name (frames hold none: their enums are
     `StrEnum`s and choices, which both modules write as their value)."""
     try:
-        return orjson.dumps(frame, default=str, option=_FRAME_OPTIONS).decode()
+        return orjson.dumps(frame, default=_to_orjson, option=_FRAME_OPTIONS).decode()
     except TypeError:
-        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
+        return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=_to_json)

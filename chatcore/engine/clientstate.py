@@ -8,6 +8,7 @@ see the same state in the same shapes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +18,12 @@ from chatcore.common import events, publish
 from sessions_app import branches, selectors, usage
 from sessions_app.models import Session, Turn, TurnStatus
 
+from .lists import SessionList
 from .turns.outcome import present_notice
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .snapshots import LocalTurn
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +65,41 @@ def sessions_frame(
     return events.sessions_frame(current=current, items=items)
 
 
+def sessions_listing(
+    *, owner_id: int, channel: str, chat_id: str, others: Iterable[str], limit: int = 50
+) -> SessionList:
+    """`sessions_frame`'s list with what a socket needs besides (`lists.SessionList`): the
+    chat's dialogs, then the user's other ones (`linked`), and the groups of those other
+    chats and of the user's own chats of the channels `others` (API, terminal)."""
+    web = selectors.dialog_list_for_chat(
+        owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
+    )
+    linked = selectors.linked_dialogs_for_user(
+        user_id=owner_id, limit=limit, besides=(channel, chat_id)
+    )
+    items = [events.session_item(s) for s in web]
+    items += [events.session_item(s, read_only=read_only) for s, read_only in linked]
+    groups = {publish.chat_group(s.channel, s.chat_id) for s, _read_only in linked}
+    groups |= {publish.chat_group(other, chat_id) for other in others}
+    return SessionList(items, web, frozenset(groups))
+
+
 def active_turn(session: Session, engine: Engine | None) -> dict[str, Any] | None:
     """The running turn's snapshot with the full text so far (`text_offset` 0): from this
     process's engine when it runs the turn, else from the turn's last checkpoint (C11)."""
     running = selectors.turn_running(session_pk=session.pk)
+    return snapshot_of(session, running, engine.local if engine is not None else None)
+
+
+def snapshot_of(
+    session: Session, running: Turn | None, local_turns: Mapping[str, LocalTurn] | None
+) -> dict[str, Any] | None:
+    """`active_turn` of a running turn read already (`local_turns`: the turns this process
+    runs, whose text is newer than any checkpoint)."""
     if running is None:
         return None
-    if engine is not None:
-        local = engine.local.get(str(running.pk))
+    if local_turns is not None:
+        local = local_turns.get(str(running.pk))
         if local is not None:
             snap = local.snapshot
             return events.turn_snapshot_frame(

@@ -43,6 +43,7 @@ from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
 from .layerwatch import LayerWatch
 from .model_catalog import ModelCatalog
+from .opening import Openings
 from .provider import provider_from_settings
 from .provider_types import ChatProvider
 from .scheduler import CeleryScheduler, InProcessScheduler, Scheduler
@@ -149,6 +150,10 @@ class Engine:
         )
         # The turns this process runs now, by turn id.
         self.local: dict[str, LocalTurn] = self.workers.local
+        # What sockets open with: the users' lists, the dialogs' pages (issue 57).
+        self.openings = Openings(
+            cfg=self.cfg, states=self.states, local_turns=self.local, spawn=self.supervisor.spawn
+        )
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class Engine:
         publish.bind_loop(self.loop, spawn=self._spawn_publish)
         layer = get_channel_layer()
         if layer is not None:
+            self.openings.attach(layer)
             self._control_channel = await layer.new_channel("engine.")
             await layer.group_add(publish.engine_control_group(), self._control_channel)
             self.supervisor.spawn(

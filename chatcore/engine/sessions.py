@@ -227,6 +227,19 @@ class SessionStates:
             self._enforce_budget()
         return messages
 
+    def held(self, session: Session) -> SessionState | None:
+        """The dialog's state when this process holds it as `session` shows it (the same
+        generation and revision), without any read; else None."""
+        with self._lock:
+            state = self._states.get(session.pk)
+        if (
+            state is None
+            or state.generation != session.generation
+            or state.last_seq != session.last_seq
+        ):
+            return None
+        return state
+
     def history_through(
         self, session: Session, *, after_seq: int, through_seq: int
     ) -> list[Message]:

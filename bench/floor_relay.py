@@ -1,10 +1,11 @@
 """The floor: a bare Channels relay of the same fake model, on Daphne.
 
-No database, no auth, no queue, no coalescing: each `send` frame opens one streamed
+No database, no auth, no queue, no coalescing: a connect is answered with an empty
+`session_history`, a `sessions` frame with an empty list; each `send` frame opens one streamed
 `/chat/completions` request with httpx and relays every model delta as a `turn_snapshot` tail,
-then a `turn_updated`. It is what any Channels app must at least spend to stream a model to a
-socket, so `bench/compare_bench.py` prints the platform's figures as ratios to it, measured in
-the same run on the same machine.
+then a `turn_updated`. It is what any Channels app must at least spend to open a socket and to
+stream a model to it, so `bench/compare_bench.py` and `bench/reconnect_bench.py` print the
+platform's figures as ratios to it, measured in the same run on the same machine.
 
     FLOOR_MODEL_URL=http://127.0.0.1:PORT/v1 .venv/bin/daphne -p 9000 bench.floor_relay:application
 """
@@ -37,10 +38,28 @@ _client = httpx.AsyncClient(
 )
 
 
+# What a connect is answered with: a dialog with no message, no turn and no queue.
+EMPTY_HISTORY = json.dumps(
+    {
+        "type": "session_history",
+        "session_id": "floor:floor:default",
+        "dialog_id": "default",
+        "title": "",
+        "history_revision": 0,
+        "messages": [],
+        "has_more": False,
+        "active_turn": None,
+        "queue": [],
+    }
+)
+EMPTY_SESSIONS = json.dumps({"type": "sessions", "current": "default", "items": []})
+
+
 class RelayConsumer(AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.tasks: set[asyncio.Task[Any]] = set()
         await self.accept()
+        await self.send(EMPTY_HISTORY)
 
     async def disconnect(self, code: int) -> None:
         for task in self.tasks:
@@ -48,6 +67,9 @@ class RelayConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         frame = json.loads(text_data or "{}")
+        if frame.get("type") == "sessions":
+            await self.send(EMPTY_SESSIONS)
+            return
         if frame.get("type") != "send":
             return
         task = asyncio.get_running_loop().create_task(self._stream(str(frame["content"])))

@@ -12,7 +12,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import QuerySet
 from django.utils import timezone
 from django.utils.translation import gettext as _
 
@@ -181,17 +181,6 @@ def messages_page(
         qs = qs.filter(seq__lt=before_seq)
     rows, has_more = _within_bytes(list(qs.order_by("-seq")[: limit + 1]), limit, max_bytes)
     return list(reversed(rows)), has_more
-
-
-def messages_after(
-    *, session_pk: str, since: int, also_id: str | None, limit: int
-) -> list[Message]:
-    """The first `limit` messages after seq `since`, with the message `also_id` (else the one
-    of seq `since`) before them: what a reconnecting client lacks, and the newest message it
-    holds (`engine.opening`)."""
-    mine = Q(id=also_id) if also_id else Q(seq=since)
-    rows = Message.objects.filter(session_id=session_pk).filter(Q(seq__gt=since) | mine)
-    return list(rows.order_by("seq")[: limit + 1])
 
 
 def messages_from(
@@ -404,18 +393,6 @@ def turn_queue(*, session_pk: str) -> list[Turn]:
     return list(
         Turn.objects.filter(session_id=session_pk, status=TurnStatus.QUEUED).order_by("number")
     )
-
-
-def turns_open(*, session_pks: Iterable[str]) -> dict[str, list[Turn]]:
-    """The running and queued turns of these dialogs, each dialog's in queue order: one
-    statement for a batch of sockets opening (`engine.opening`)."""
-    out: dict[str, list[Turn]] = {}
-    rows = Turn.objects.filter(
-        session_id__in=list(session_pks), status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
-    ).order_by("number")
-    for turn in rows:
-        out.setdefault(turn.session_id, []).append(turn)
-    return out
 
 
 def turn_running(*, session_pk: str) -> Turn | None:

@@ -93,6 +93,8 @@ class Tab:
         self.base = base
         self.sent: list[dict[str, Any]] = []
         self.received: list[dict[str, Any]] = []
+        # The URL of each socket the page opened (a reconnect says what it holds in it).
+        self.socket_urls: list[str] = []
         self.errors: list[str] = []
         page.on("pageerror", lambda exc: self.errors.append(str(exc)))
         page.on("websocket", self._watch)
@@ -106,6 +108,7 @@ class Tab:
             except (TypeError, ValueError):
                 return {}
 
+        self.socket_urls.append(ws.url)
         ws.on("framesent", lambda payload: self.sent.append(parse(payload)))
         ws.on("framereceived", lambda payload: self.received.append(parse(payload)))
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 import pytest
@@ -124,10 +124,19 @@ class RedisServer:
 class Socket:
     """A WebSocket client on one process; a thread collects every frame it receives."""
 
-    def __init__(self, base: str, token: str, dialog_id: str | None = None) -> None:
+    def __init__(
+        self,
+        base: str,
+        token: str,
+        dialog_id: str | None = None,
+        *,
+        query: dict[str, Any] | None = None,
+    ) -> None:
         url = base.replace("http://", "ws://") + "/ws/chat/"
         if dialog_id:
             url += f"?dialog_id={dialog_id}"
+        elif query:
+            url += "?" + urlencode(query)  # what a reconnecting client holds (issue 57)
         self._stack = contextlib.ExitStack()
         self.conn: ClientConnection = self._stack.enter_context(
             connect(url, additional_headers={"Authorization": f"Bearer {token}"}, open_timeout=20)

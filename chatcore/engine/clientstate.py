@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from channels.layers import get_channel_layer
 
 from chatcore.common import events, publish
-from sessions_app import branches, selectors, usage
+from sessions_app import branches, connect_reads, selectors, usage
 from sessions_app.models import Session, Turn, TurnStatus
 
 from .lists import SessionList
@@ -71,11 +71,8 @@ def sessions_listing(
     """`sessions_frame`'s list with what a socket needs besides (`lists.SessionList`): the
     chat's dialogs, then the user's other ones (`linked`), and the groups of those other
     chats and of the user's own chats of the channels `others` (API, terminal)."""
-    web = selectors.dialog_list_for_chat(
+    web, linked = connect_reads.dialogs_listed(
         owner_id=owner_id, channel=channel, chat_id=chat_id, limit=limit
-    )
-    linked = selectors.linked_dialogs_for_user(
-        user_id=owner_id, limit=limit, besides=(channel, chat_id)
     )
     items = [events.session_item(s) for s in web]
     items += [events.session_item(s, read_only=read_only) for s, read_only in linked]

@@ -61,13 +61,11 @@ class SessionList:
         return {**events.sessions_frame(current=current, items=self.items), "etag": self.etag}
 
     def unchanged_frame(self, current: Any | None) -> dict[str, Any]:
-        """PROTOCOL "On connect": the list the client holds (its `sessions_etag`) is this one."""
-        return {
-            **events.sessions_frame(current=current, items=[]),
-            "items": None,
-            "unchanged": True,
-            "etag": self.etag,
-        }
+        """PROTOCOL "On connect": the list the client holds (its `sessions_etag`) is this one;
+        no items."""
+        frame = events.sessions_frame(current=current, items=[])
+        del frame["items"]
+        return {**frame, "unchanged": True, "etag": self.etag}
 
     def with_newest(self, session: Session) -> SessionList:
         """This list with `session` (a dialog of its chat made after the read) first."""

@@ -17,7 +17,7 @@ each socket. Here:
   the messages the history cache holds when it holds them (`SessionStates.held`), else read;
 - the sockets opening while others' reads are under way are read together
   (`gather.Gathered`): one trip to a database thread, one read transaction and one statement
-  of running and queued turns (`selectors.turns_open`) for the batch.
+  of running and queued turns (`connect_reads.turns_open`) for the batch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from urllib.parse import parse_qs
 
 from chatcore.common import dbthreads, events
 from chatcore.common.dbthreads import on_db_idempotent
-from sessions_app import branches, selectors
+from sessions_app import branches, connect_reads, selectors
 from sessions_app.models import Message, Session, Turn, TurnStatus
 
 from . import clientstate
@@ -188,6 +188,12 @@ def _seq(message: Message) -> int:
     return message.seq
 
 
+def _key(session: Session) -> tuple[int, int, int]:
+    """What a dialog's page depends on: its generation, revision and head (a head's move
+    takes a seq of its own, and so does every append that changes the forks)."""
+    return (session.generation, session.last_seq, session.head_seq)
+
+
 class Openings:
     """The process's openings: the users' lists (`lists`), the dialogs' pages, and the batch
     of reads (see the module docstring). `local_turns`: the turns this process runs."""
@@ -234,21 +240,32 @@ class Openings:
         out: list[Opened | BaseException] = []
         with selectors.read_transaction():
             rows = {s.pk: s for s in Session.objects.filter(pk__in=pks)}
-            turns = selectors.turns_open(session_pks=pks)
-            for opening in openings:
-                session = rows.get(opening.session.pk, opening.session)
+            turns = connect_reads.turns_open(session_pks=pks)
+            sessions = [rows.get(o.session.pk, o.session) for o in openings]
+            # The heads a client that holds the newest revision must show, unless a page
+            # kept says it already.
+            heads = connect_reads.head_ids(
+                heads=[
+                    (s.pk, s.head_seq)
+                    for o, s in zip(openings, sessions, strict=True)
+                    if o.since == s.last_seq and self.pages.get(s.pk, _key(s)) is None
+                ]
+            )
+            for opening, session in zip(openings, sessions, strict=True):
                 try:
-                    out.append(self._open(opening, session, turns.get(session.pk, [])))
+                    out.append(self._open(opening, session, turns.get(session.pk, []), heads))
                 except Exception as exc:
                     out.append(exc)
         return out
 
-    def _open(self, opening: Opening, session: Session, turns: list[Turn]) -> Opened:
+    def _open(
+        self, opening: Opening, session: Session, turns: list[Turn], heads: Mapping[str, str]
+    ) -> Opened:
         running = next((t for t in turns if t.status == TurnStatus.RUNNING), None)
         snapshot = clientstate.snapshot_of(session, running, self.local_turns)
         queue = [events.queue_item(t) for t in turns if t.status == TurnStatus.QUEUED]
         if opening.since is not None:
-            news = self._after(session, opening.since, opening.last_id)
+            news = self._after(session, opening.since, opening.last_id, heads)
             if news is not None:
                 frames = [_frame(m, session.forks) for m in news]
                 frame = events.resume_delta_frame(
@@ -271,13 +288,15 @@ class Openings:
 
     def page(self, session: Session) -> Page:
         """The dialog's newest page (`selectors.messages_page`'s), kept for the next socket."""
-        key = (session.generation, session.last_seq, session.head_seq)
+        key = _key(session)
         page = self.pages.get(session.pk, key)
         if page is not None:
             return page
         limit = selectors.HISTORY_PAGE_DEFAULT
         state = self.states.held(session)
         newest = _held_newest(state, session, limit + 1) if state is not None else None
+        if newest is None and not session.forked:
+            newest = connect_reads.newest_messages(session_pk=session.pk, count=limit + 1)
         if newest is not None:
             messages, has_more = selectors.newest_page(newest, limit)
         else:
@@ -288,7 +307,9 @@ class Openings:
         self.pages.put(session.pk, page)
         return page
 
-    def _after(self, session: Session, since: int, last_id: str | None) -> list[Message] | None:
+    def _after(
+        self, session: Session, since: int, last_id: str | None, heads: Mapping[str, str]
+    ) -> list[Message] | None:
         """The messages a client that holds the dialog at revision `since` (its newest message
         `last_id`, else the one of seq `since`) lacks, oldest first, when they follow what it
         shows: each the child of the one before, from its newest message on to the dialog's
@@ -298,8 +319,9 @@ class Openings:
             return None
         if since == session.last_seq:
             # Nothing new (a storm's usual case): the client's newest message must be the
-            # head, which ends the dialog's page (kept for every socket of the dialog).
-            head = self.page(session).head_id
+            # head, which ends the dialog's page when one is kept, else read for the batch.
+            page = self.pages.get(session.pk, _key(session))
+            head = page.head_id if page is not None else heads.get(session.pk)
             if head == last_id if last_id else session.head_seq == since:
                 return []
             return None
@@ -343,6 +365,6 @@ class Openings:
             )
             if mine is not None:
                 return [mine, *news]
-        return selectors.messages_after(
+        return connect_reads.messages_after(
             session_pk=session.pk, since=since, also_id=last_id, limit=RESUME_MAX_MESSAGES + 1
         )

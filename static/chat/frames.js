@@ -1,8 +1,10 @@
 /*
  * What each server frame does to the page (PROTOCOL.md "WebSocket: /ws/chat/"): `sessions`
- * feeds the sidebar, `session_history` replaces the transcript, `history_delta` appends to
- * it through ChatHistory (history.js, D2), `turn_snapshot` streams the running answer (D1),
- * `turn_updated` ends it. Unknown frames are ignored.
+ * feeds the sidebar (`unchanged` after a reconnect: the list held stays), `session_history`
+ * replaces the transcript, `history_delta` appends to it through ChatHistory (history.js,
+ * D2; a reconnect's resume delta also brings the running turn and the queue, "On connect"),
+ * `turn_snapshot` streams the running answer (D1), `turn_updated` ends it. Unknown frames
+ * are ignored.
  */
 import {
   dropPending,
@@ -91,7 +93,12 @@ export function connectionLost() {
 }
 
 function onSessions(frame) {
-  store.setSessions(frame.items);
+  if (!frame.unchanged) {
+    store.setSessions(frame.items);
+  }
+  if (frame.etag) {
+    store.setSessionsEtag(frame.etag);
+  }
   renderSidebar();
   updateReadOnly();
 }
@@ -144,13 +151,58 @@ function onSessionHistory(frame) {
       $("composer-input").focus({ preventScroll: true }); // ready to type in the new dialog
     }
   }
-  // Restore the dialog the reader was on (after a reconnect, or from the address).
+  restoreWanted(frame);
+}
+
+/** Restore the dialog the reader was on (after a reconnect, or from the address). */
+function restoreWanted(frame) {
   var want = store.takeWanted();
   if (want.session && want.session !== frame.session_id && store.findSession(want.session)) {
     openLinked(store.findSession(want.session));
   } else if (want.dialog && want.dialog !== frame.dialog_id && store.findDialog(want.dialog)) {
     sendCommand("/switch " + want.dialog, true);
   }
+}
+
+/**
+ * The reconnect's answer when this page held the open dialog (PROTOCOL "On connect"): what
+ * came after the revision it held (most often nothing), the running turn and the queue. The
+ * transcript stays as it is; what is new is appended, and the turn's state is the server's.
+ */
+function onResume(frame) {
+  store.setOlder(null);
+  store.historyArrived();
+  if (history.resume(frame) !== "applied") {
+    askHistory(); // not the revision this page shows: load the page once
+    return;
+  }
+  var added = history.lastAdded();
+  var stick = isNearBottom();
+  store.markRead(frame.session_id);
+  store.resetTurns();
+  if (frame.active_turn) {
+    store.turnStarted(frame.active_turn.turn_id);
+  } else {
+    removeStreaming(); // a turn that ended meanwhile: its messages are in this delta
+  }
+  store.reconcilePending(frame);
+  appendMessages(added);
+  renderPending();
+  updateEmpty();
+  refreshContinue();
+  if (frame.active_turn) {
+    var turnId = frame.active_turn.turn_id;
+    showStreaming(turnId, history.turnText(turnId), frame.active_turn.tools || []);
+  }
+  store.touchSession(frame.session_id, added);
+  renderHeader();
+  renderSidebar();
+  updateReadOnly();
+  updateRunning();
+  if (stick) {
+    scrollToBottom();
+  }
+  restoreWanted(frame);
 }
 
 function isOlderPage(frame, older) {
@@ -190,6 +242,10 @@ function onQueued(frame) {
 }
 
 function onDelta(frame) {
+  if (window.ChatHistory.isResume(frame)) {
+    onResume(frame);
+    return;
+  }
   if (frame.session_id !== history.sessionId) {
     onOtherDialogActivity(frame);
     return;

@@ -133,7 +133,36 @@
     return "applied";
   };
 
-  /** Messages of the last `applyDelta`/`load` that were new (set by `_insert`). */
+  /**
+   * Apply the `history_delta` a reconnect is answered with when this client said what it
+   * holds (PROTOCOL "On connect"; it carries `active_turn`): what came after our revision,
+   * often nothing, and the running turn. Returns
+   *   "applied": its messages were added (`lastAdded`), the revision, title and the running
+   *              turn's text replaced by the server's;
+   *   "gap":     it is not about this dialog at our revision: the caller asks for the history.
+   */
+  ChatHistory.prototype.resume = function (delta) {
+    if (delta.session_id !== this.sessionId || Number(delta.base_revision) !== this.revision) {
+      return "gap";
+    }
+    this._insert(delta.messages || []);
+    this.revision = Number(delta.history_revision) || this.revision;
+    if (typeof delta.title === "string") {
+      this.title = delta.title;
+    }
+    this.turns = Object.create(null);
+    if (delta.active_turn) {
+      this.applySnapshot(delta.active_turn);
+    }
+    return "applied";
+  };
+
+  /** Whether a frame is a reconnect's resume (`resume`), not a turn's delta. */
+  ChatHistory.isResume = function (frame) {
+    return frame.type === "history_delta" && Object.prototype.hasOwnProperty.call(frame, "active_turn");
+  };
+
+  /** Messages of the last `applyDelta`/`load`/`resume` that were new (set by `_insert`). */
   ChatHistory.prototype.lastAdded = function () {
     return this._lastAdded ? this._lastAdded.slice() : [];
   };

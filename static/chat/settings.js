@@ -33,7 +33,8 @@ var usages = {};
 /** Every server frame passes here first (frames.js); the ones about settings update the
  * header and the panel. */
 export function settingsFrame(frame) {
-  if (frame.type === "session_history" && frame.model != null) {
+  var opened = frame.type === "session_history" || window.ChatHistory.isResume(frame);
+  if (opened && frame.model != null) {
     setCurrent(frame.session_id, frame.model, frame.system_prompt || "");
   } else if (frame.type === "sessions") {
     // A reconnect that resumes with a delta gets no `session_history`: the list's item

@@ -10,6 +10,7 @@ import { isLinked } from "./format.js";
 
 export function createStore(history) {
   var sessions = []; // items of the last `sessions` frame, most recent first
+  var sessionsEtag = null; // the `etag` of the last `sessions` frame (sent back on reconnect)
   var unread = Object.create(null); // session_id -> true
   var inflight = Object.create(null); // turn_id -> true (open dialog: running or queued)
   var continuing = Object.create(null); // turn_id -> true for a `continue` this page asked for
@@ -66,6 +67,13 @@ export function createStore(history) {
     },
     sessions: function () {
       return sessions;
+    },
+    /** The list as the last `sessions` frame with items said it, by its `etag`. */
+    setSessionsEtag: function (etag) {
+      sessionsEtag = etag || null;
+    },
+    sessionsEtag: function () {
+      return sessionsEtag;
     },
     findSession: findSession,
     /** A dialog of the web chat by its dialog id (linked chat-app dialogs excluded). */

@@ -1,8 +1,11 @@
 /*
  * The one WebSocket (PROTOCOL.md "WebSocket: /ws/chat/"): connect, reconnect with
- * exponential backoff and jitter, and send frames aimed at a dialog. The server's `sessions`
- * + `session_history` on reopen replace the state (resync); this module only hands frames
- * to the `onFrame` given to `start` and reports the connection's status.
+ * exponential backoff and jitter, and send frames aimed at a dialog. On reopen the page says
+ * what it holds (the dialog, its revision and newest message, the list's etag: "On
+ * connect"), so the server sends only what changed (`sessions` `unchanged`, a resume
+ * `history_delta`) or, when it cannot, `sessions` + `session_history` that replace the
+ * state (resync); this module only hands frames to the `onFrame` given to `start` and
+ * reports the connection's status.
  */
 import { backoffDelay, isLinked } from "./format.js";
 import { history, store } from "./state.js";
@@ -32,12 +35,25 @@ function setStatus(status) {
 function socketUrl() {
   var scheme = location.protocol === "https:" ? "wss://" : "ws://";
   var url = scheme + location.host + config.ws_path;
+  var params = [];
   // Reopen on the dialog the reader was on (the server falls back to B1 if it is gone).
-  var dialog = store.wantedDialog() || (isLinked(history.sessionId) ? null : history.dialogId);
+  var held = isLinked(history.sessionId) ? null : history.dialogId;
+  var dialog = store.wantedDialog() || held;
   if (dialog) {
-    url += "?dialog_id=" + encodeURIComponent(dialog);
+    params.push("dialog_id=" + encodeURIComponent(dialog));
   }
-  return url;
+  if (dialog && dialog === held && store.loadedOnce()) {
+    // What this page shows of it: the server sends only what came after.
+    params.push("since=" + history.revision);
+    var newest = history.newest();
+    if (newest) {
+      params.push("last_id=" + encodeURIComponent(newest.id));
+    }
+  }
+  if (store.sessionsEtag()) {
+    params.push("sessions_etag=" + encodeURIComponent(store.sessionsEtag()));
+  }
+  return params.length ? url + "?" + params.join("&") : url;
 }
 
 function connect() {

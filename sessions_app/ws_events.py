@@ -41,6 +41,7 @@ from chatcore.engine.opening import RECENT_IDS
 from . import login_cache, logins, selectors
 from .connection import ChannelConnection
 from .models import Session
+from .ws_auth import authenticate
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,9 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     history_sent: dict[str, tuple[int, frozenset[str]]] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """channels' `AsyncConsumer.__call__`, dispatching with `dispatch_in_turn`."""
+        """channels' `AsyncConsumer.__call__`, dispatching with `dispatch_in_turn`, the scope
+        authenticated first (`authenticate`)."""
+        await self.authenticate(scope)
         self.scope = scope
         self.channel_layer = get_channel_layer(self.channel_layer_alias)
         sources = [receive]
@@ -164,6 +167,10 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
         self.base_send = send
         with contextlib.suppress(StopConsumer):
             await dispatch_in_turn(sources, self.dispatch)
+
+    async def authenticate(self, scope: dict[str, Any]) -> None:
+        """Put the connection's login into its scope (`ws_auth.authenticate`)."""
+        await authenticate(scope)
 
     def echoed(self, frame: dict[str, Any]) -> None:
         """`frame` (a `session_updated`) was sent by this socket itself: the same frame from

@@ -28,6 +28,7 @@ behaviour here (first in, first out, a capacity, one reader at a time woken per 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -135,6 +136,10 @@ class LocalChannelLayer(InMemoryChannelLayer):
     # Told of every group message sent (`add_group_listener`).
     listeners: tuple[GroupListener, ...] = ()
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._names = itertools.count(1)
+
     def _clean_expired(self) -> None:
         """Channels' sweep, on the inboxes: unread messages past their expiry dropped (their
         channel leaves its groups, as a reader that is gone), memberships past theirs."""
@@ -158,6 +163,11 @@ class LocalChannelLayer(InMemoryChannelLayer):
     async def flush(self) -> None:
         await super().flush()
         self._cleaned_at = 0.0
+
+    async def new_channel(self, prefix: str = "specific.") -> str:
+        """A name no other channel of this layer has (channels' draws twelve random letters
+        one call each; nothing outside the process ever sees these names)."""
+        return f"{prefix}.inmemory!{next(self._names)}"
 
     async def receive(self, channel: str) -> dict[str, Any]:
         """As the base, without building a spare queue at every call (the base's `setdefault`

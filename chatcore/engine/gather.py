@@ -133,9 +133,11 @@ class Gathered(Generic[I, R]):
     def _next(self) -> None:
         """Start the next batch if there is room for it: the waiting items in order, at most
         `max_batch`, one per `key` and per `distinct`, none of a key under way."""
+        if self._under_way >= self.alone_limit:
+            return  # no room: every call that comes meanwhile waits (not a walk of them each)
         # An item whose caller went away before its batch is dropped, never made.
         self._waiting = [(i, f) for i, f in self._waiting if not f.done()]
-        if not self._waiting or self._under_way >= self.alone_limit:
+        if not self._waiting:
             return
         batch: list[tuple[I, asyncio.Future[Any]]] = []
         rest: list[tuple[I, asyncio.Future[Any]]] = []

@@ -150,17 +150,26 @@ def page_headers() -> list[tuple[bytes, bytes]]:
 
 
 class SecurityHeaders:
-    """ASGI: adds the page security headers a static file's response lacks (F8)."""
+    """ASGI: adds the page security headers a static file's response lacks (F8). A socket
+    goes straight to `websocket` (the app behind the static files' handler): these layers
+    have nothing to do for it, and none of their coroutines waits for its whole life."""
 
-    def __init__(self, app: Any) -> None:
+    _asgi_single_callable = True
+
+    def __init__(self, app: Any, *, websocket: Any = None) -> None:
         self.app = app
+        self.websocket = websocket or app
         self.headers = page_headers()
         self.prefix = str(settings.STATIC_URL or "/static/")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        if scope["type"] == "websocket":
+            return self.websocket(scope, receive, send)
         if scope["type"] != "http" or not str(scope.get("path", "")).startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._static(scope, receive, send)
+
+    async def _static(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

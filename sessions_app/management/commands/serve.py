@@ -126,7 +126,7 @@ class Command(BaseCommand):
         app: Any = application
         if options["serve_static"]:
             # F8: static files get the same security headers as pages.
-            app = SecurityHeaders(ASGIStaticFilesHandler(app))
+            app = SecurityHeaders(ASGIStaticFilesHandler(app), websocket=application)
 
         frame_limit = settings.CHAT.get("FRAME_LIMIT_BYTES")
         if not isinstance(frame_limit, int):

@@ -95,16 +95,27 @@ def head_ids(*, heads: Iterable[tuple[str, int]]) -> dict[str, str]:
         return {pk: str(uuid.UUID(str(id_))) for pk, id_ in cursor.fetchall()}
 
 
-def turns_open(*, session_pks: Iterable[str]) -> dict[str, list[Turn]]:
-    """The running and queued turns of these dialogs, each dialog's in queue order: one
-    statement for a batch of sockets opening (`engine.opening`)."""
-    out: dict[str, list[Turn]] = {}
-    rows = Turn.objects.filter(
-        session_id__in=list(session_pks), status__in=(TurnStatus.RUNNING, TurnStatus.QUEUED)
-    ).order_by("number")
-    for turn in rows:
-        out.setdefault(turn.session_id, []).append(turn)
-    return out
+def dialogs_open(*, session_pks: list[str]) -> tuple[dict[str, Session], dict[str, list[Turn]]]:
+    """The rows of these dialogs, and their running and queued turns, each dialog's in queue
+    order: two statements for a batch of sockets opening (`engine.opening`)."""
+    marks = ", ".join(["%s"] * len(session_pks))
+    sessions = (
+        f'SELECT {columns(Session, "s")} FROM "{Session._meta.db_table}" s'  # noqa: S608
+        f' WHERE s."id" IN ({marks})'
+    )
+    turns = (
+        f'SELECT {columns(Turn, "t")} FROM "{Turn._meta.db_table}" t'  # noqa: S608
+        f' WHERE t."session_id" IN ({marks}) AND t."status" IN (%s, %s) ORDER BY t."number"'
+    )
+    open_turns: dict[str, list[Turn]] = {}
+    with sql_cursor() as cursor:
+        cursor.execute(sessions, session_pks)
+        rows = {s.pk: s for s in (from_row(Session, row) for row in cursor.fetchall())}
+        cursor.execute(turns, [*session_pks, TurnStatus.RUNNING, TurnStatus.QUEUED])
+        for row in cursor.fetchall():
+            turn = from_row(Turn, row)
+            open_turns.setdefault(turn.session_id, []).append(turn)
+    return rows, open_turns
 
 
 def messages_after(

@@ -16,8 +16,9 @@ each socket. Here:
   opens the dialog (`Pages`, least recently used first out past its byte budget); made from
   the messages the history cache holds when it holds them (`SessionStates.held`), else read;
 - the sockets opening while others' reads are under way are read together
-  (`gather.Gathered`): one trip to a database thread, one read transaction and one statement
-  of running and queued turns (`connect_reads.turns_open`) for the batch.
+  (`gather.Gathered`): one trip to a database thread and one read transaction for a batch,
+  one statement for its dialogs' rows, one for their running and queued turns
+  (`connect_reads.dialogs_open`), one for the heads its resumes are checked against.
 """
 
 from __future__ import annotations
@@ -239,8 +240,7 @@ class Openings:
         pks = [o.session.pk for o in openings]
         out: list[Opened | BaseException] = []
         with selectors.read_transaction():
-            rows = {s.pk: s for s in Session.objects.filter(pk__in=pks)}
-            turns = connect_reads.turns_open(session_pks=pks)
+            rows, turns = connect_reads.dialogs_open(session_pks=pks)
             sessions = [rows.get(o.session.pk, o.session) for o in openings]
             # The heads a client that holds the newest revision must show, unless a page
             # kept says it already.

@@ -133,29 +133,31 @@ class ChatConsumer(ChatEventsConsumer):
         self.login = self.scope.get("login")
         holds = Holds.from_query(self.scope.get("query_string", b""))
         lists = self.engine.openings.lists
-        with translation.override(self.language):
-            # F8 and D3: the login's groups (before anything else, so an ending login is never
-            # missed) and the chat's (before reading any state, so nothing falls in between),
-            # with the other chats the user's last list showed, in one go.
-            chats = chat_groups(self.chat_id) | lists.known_groups(user.pk)
-            logged = self.login.groups() if self.login is not None else ()
-            await publish.join(self.channel_layer, (*logged, *chats), self.channel_name)
-            if self.login is not None:
-                logins.watch().add(self.channel_name, self.login)
-            lists.watch(user.pk, self.channel_name, chats)
-            self.linked_groups = chats - {self.conn.chat_group}
-            listing, current = await self._open_list(holds.dialog_id)
-            await self.accept()
-            await self.conn.follow(current)
-            resume = holds.since is not None and holds.dialog_id == current.dialog_id
-            opened = await self.engine.openings.open(
-                Opening(current, holds.since, holds.last_id) if resume else Opening(current)
-            )
-            await self._send_sessions(listing=listing, etag=holds.sessions_etag)
-            frame = opened.frame
-            self.history_shown(frame["session_id"], frame["history_revision"], opened.recent)
-            self.conn.seed(opened.active_turn)
-            await self._send(frame)
+        # F8 and D3: the login's groups (before anything else, so an ending login is never
+        # missed) and the chat's (before reading any state, so nothing falls in between), with
+        # the other chats the user's last list showed, in one go.
+        chats = chat_groups(self.chat_id)
+        known = lists.known_groups(user.pk)
+        if not known <= chats:
+            chats |= known
+        logged = self.login.groups() if self.login is not None else ()
+        await publish.join(self.channel_layer, (*logged, *chats), self.channel_name)
+        if self.login is not None:
+            logins.watch().add(self.channel_name, self.login)
+        lists.watch(user.pk, self.channel_name, chats)
+        self.linked_groups = chats - {self.conn.chat_group}
+        listing, current = await self._open_list(holds.dialog_id)
+        await self.accept()
+        await self.conn.follow(current)
+        resume = holds.since is not None and holds.dialog_id == current.dialog_id
+        opened = await self.engine.openings.open(
+            Opening(current, holds.since, holds.last_id) if resume else Opening(current)
+        )
+        await self._send_sessions(listing=listing, etag=holds.sessions_etag)
+        frame = opened.frame
+        self.history_shown(frame["session_id"], frame["history_revision"], opened.recent)
+        self.conn.seed(opened.active_turn)
+        await self._send(frame)
         self.engine.layer_watch.register(self._layer_lost)
 
     async def _open_list(self, requested: str | None) -> tuple[SessionList, Session]:
@@ -167,7 +169,8 @@ class ChatConsumer(ChatEventsConsumer):
         listing = await self._listing()
         current = _resolved(listing, requested, self.engine.cfg)
         if current is None:
-            current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)
+            with translation.override(self.language):  # B2: a new dialog's welcome
+                current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)
             newest = listing.web[0].last_active_at if listing.web else None
             listed = any(s.pk == current.pk for s in listing.web)
             if not listed and (newest is None or current.last_active_at >= newest):

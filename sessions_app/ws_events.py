@@ -56,6 +56,7 @@ REFRESH_SESSIONS = "sessions.refresh"
 ENDED_TURNS_KEPT = 256
 
 
+@functools.lru_cache(maxsize=65536)
 def chat_groups(chat_id: str) -> frozenset[str]:
     """The groups of the user's own chats a socket follows from its start: the web chat's,
     and the API's and terminal's, whose dialogs the web chat lists too (issue 54)."""

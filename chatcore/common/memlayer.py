@@ -62,14 +62,15 @@ def copy_message(value: Any) -> Any:
 
 class Inbox:
     """A channel's unread messages, `(expires, message)` in order, at most `maxsize` (0: no
-    bound); a reader awaiting `get` holds a future only while it waits."""
+    bound); a reader awaiting `get` holds a future only while it waits (and the inbox no
+    container while nothing is in it)."""
 
     __slots__ = ("items", "maxsize", "waiters")
 
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
         self.items: deque[tuple[float, dict[str, Any]]] | None = None
-        self.waiters: deque[asyncio.Future[None]] | None = None
+        self.waiters: list[asyncio.Future[None]] | None = None
 
     def qsize(self) -> int:
         return len(self.items) if self.items is not None else 0
@@ -84,24 +85,20 @@ class Inbox:
         if self.items is None:
             self.items = deque()
         self.items.append(item)
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
+        self._wake_next()
 
     def get_nowait(self) -> tuple[float, dict[str, Any]]:
         assert self.items, "the inbox is empty"
         item = self.items.popleft()
         if not self.items:
-            self.items = None  # an idle inbox holds no deque
+            self.items = None
         return item
 
     async def get(self) -> tuple[float, dict[str, Any]]:
         while not self.items:
             waiter = asyncio.get_running_loop().create_future()
             if self.waiters is None:
-                self.waiters = deque()
+                self.waiters = []
             self.waiters.append(waiter)
             try:
                 await waiter
@@ -118,8 +115,9 @@ class Inbox:
         return self.get_nowait()
 
     def _wake_next(self) -> None:
+        """Wake the reader that waits longest (one per message, as asyncio.Queue does)."""
         while self.waiters:
-            waiter = self.waiters.popleft()
+            waiter = self.waiters.pop(0)
             if not waiter.done():
                 waiter.set_result(None)
                 return

@@ -138,8 +138,12 @@ class SessionLists:
         if watched is None:
             watched = self._users[user_id] = _Watched()
         before = watched.sockets.get(channel, frozenset())
-        joined = before | frozenset(groups)
-        watched.sockets[channel] = joined
+        joined = frozenset(groups)
+        if before and not joined <= before:
+            joined = before | joined
+        elif before:
+            return
+        watched.sockets[channel] = joined  # the caller's own set when it is one (shared)
         for group in joined - before:
             self._by_group.setdefault(group, Counter())[user_id] += 1
 

@@ -211,8 +211,8 @@ class ChatConsumer(ChatEventsConsumer):
         """F7: count this socket among the user's open ones; past the bound, refuse it with
         a `rate_limited` error frame and close code 4429."""
         limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
-        if settings.SCALED:  # a Redis round trip: off the loop
-            opened = await on_db(self.engine.sockets.open)(user.pk, self.channel_name, limit)
+        if settings.SCALED:  # a Redis round trip, off the loop, one for a storm's sockets
+            opened = await self.engine.sockets.opens.run((user.pk, self.channel_name, limit))
         else:
             opened = self.engine.sockets.open(user.pk, self.channel_name, limit)
         if opened:

@@ -536,6 +536,16 @@ class SocketRegistry:
         self._local: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         self._redis: Any = None
+        # Scaled mode: the sockets of a reconnect storm registered a pipeline per batch
+        # (issue 57), `opens.run((user_id, conn_id, limit))`.
+        self.opens: Batch[tuple[int, str, int], bool] = Batch("socket-opens", self.open_many)
+
+    def open_many(self, items: list[tuple[int, str, int]]) -> list[bool]:
+        """`open` of several sockets, their Redis commands in one round trip."""
+        shared = self._open_shared_many(items)
+        return [
+            self._open_local(u, c, n, found) for (u, c, n), found in zip(items, shared, strict=True)
+        ]
 
     def _client(self) -> Any:
         if not settings.SCALED:
@@ -551,7 +561,11 @@ class SocketRegistry:
         `limit` open. Blocking I/O in scaled mode: call it off the event loop. With Redis
         unreachable, the bound falls back to this process's count (G5: a Redis restart never
         locks people out)."""
-        shared = self._open_shared(user_id, conn_id, limit)
+        return self._open_local(
+            user_id, conn_id, limit, self._open_shared_many([(user_id, conn_id, limit)])[0]
+        )
+
+    def _open_local(self, user_id: int, conn_id: str, limit: int, shared: bool | None) -> bool:
         with self._lock:
             conns = self._local.setdefault(user_id, set())
             if shared is False or (shared is None and len(conns) >= limit):
@@ -561,27 +575,33 @@ class SocketRegistry:
             conns.add(conn_id)
         return True
 
-    def _open_shared(self, user_id: int, conn_id: str, limit: int) -> bool | None:
-        """The cross-process answer, or None when there is none (embedded mode, Redis down)."""
+    def _open_shared_many(self, items: list[tuple[int, str, int]]) -> list[bool | None]:
+        """The cross-process answers, or None when there are none (embedded mode, Redis
+        down)."""
         client = self._client()
         if client is None:
-            return None
-        key = f"ws:user:{user_id}"
+            return [None] * len(items)
         now = time.time()
         try:
             pipe = client.pipeline()
-            pipe.zremrangebyscore(key, "-inf", now)
-            pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
-            pipe.zcard(key)
-            pipe.expire(key, self.TTL_SECONDS)
-            _removed, _added, count, _ttl = pipe.execute()
-            if count > limit:
-                client.zrem(key, conn_id)
-                return False
-            return True
+            for user_id, conn_id, _limit in items:
+                key = f"ws:user:{user_id}"
+                pipe.zremrangebyscore(key, "-inf", now)
+                pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
+                pipe.zcard(key)
+                pipe.expire(key, self.TTL_SECONDS)
+            replies = pipe.execute()
+            counts = replies[2::4]
+            over = [(u, c) for (u, c, n), count in zip(items, counts, strict=True) if count > n]
+            if over:
+                pipe = client.pipeline()
+                for user_id, conn_id in over:
+                    pipe.zrem(f"ws:user:{user_id}", conn_id)
+                pipe.execute()
+            return [count <= n for (_u, _c, n), count in zip(items, counts, strict=True)]
         except Exception:
             logger.warning("socket registry: Redis unavailable; counting this process only")
-            return None
+            return [None] * len(items)
 
     def close(self, user_id: int, conn_id: str) -> None:
         with self._lock:

@@ -273,3 +273,49 @@ def test_the_health_page_reports_the_scaled_layer(redis_url: str, client) -> Non
     layer = response.json()["channel_layer"]
     assert layer["ok"] and layer["backend"] == "RedisPubSubLayer"
     assert layer["dropped"] == 0 and layer["failed_publishes"] >= 0
+
+
+async def test_a_socket_joins_its_groups_in_one_command_and_listeners_hear_them(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: D3, G1 (issue 57: a socket's groups joined in one go, its frames waiting in an
+    # inbox; the process's caches hear every group message, sent here or by another process)
+    from chatcore.common.memlayer import Inbox
+
+    sender, receiver = _layers(redis_url)
+    heard: list[str] = []
+
+    class Listener:
+        def heard(self, group: str) -> None:
+            heard.append(group)
+
+        def lost(self) -> None:
+            heard.append("LOST")
+
+    receiver.add_group_listener(Listener())
+    commands: list[tuple[str, ...]] = []
+    real_subscribe = PipelinedShardConnection.subscribe_many
+
+    async def subscribe_many(self: PipelinedShardConnection, channels: list[str]) -> None:
+        commands.append(tuple(channels))
+        await real_subscribe(self, channels)
+
+    monkeypatch.setattr(PipelinedShardConnection, "subscribe_many", subscribe_many)
+    try:
+        channel = await receiver.new_channel()
+        # Its frames wait in an inbox (channels_redis's `_subscribe_to_channel`, overridden).
+        assert isinstance(receiver._get_layer().channels[channel], Inbox)
+        await receiver.group_add_many(["g.one", "g.two", "g.three"], channel)
+        assert len(commands) == 2 and len(commands[1]) == 3  # the channel, then the groups
+        await asyncio.sleep(0.2)  # subscribed on the server
+        await sender.group_send("g.two", {"type": "chat.event", "n": 1})
+        assert (await asyncio.wait_for(receiver.receive(channel), 5))["n"] == 1
+        assert heard == ["g.two"]
+        await receiver.group_send("g.one", {"type": "chat.event", "n": 2})  # sent here
+        assert (await asyncio.wait_for(receiver.receive(channel), 5))["n"] == 2
+        assert heard == ["g.two", "g.one"]
+        await receiver.group_discard_many(["g.one", "g.two", "g.three"], channel)
+        assert not receiver._get_layer().groups
+    finally:
+        await sender.flush()
+        await receiver.flush()

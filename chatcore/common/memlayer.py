@@ -61,15 +61,15 @@ def copy_message(value: Any) -> Any:
 
 
 class Inbox:
-    """A channel's unread messages, `(expires, message)` in order, at most `maxsize` (0: no
-    bound); a reader awaiting `get` holds a future only while it waits (and the inbox no
-    container while nothing is in it)."""
+    """A channel's unread messages in order (here `(expires, message)`; the Redis layer's
+    serialized frames), at most `maxsize` (0: no bound); a reader awaiting `get` holds a
+    future only while it waits (and the inbox no container while nothing is in it)."""
 
     __slots__ = ("items", "maxsize", "waiters")
 
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
-        self.items: deque[tuple[float, dict[str, Any]]] | None = None
+        self.items: deque[Any] | None = None
         self.waiters: list[asyncio.Future[None]] | None = None
 
     def qsize(self) -> int:
@@ -81,20 +81,20 @@ class Inbox:
     def full(self) -> bool:
         return 0 < self.maxsize <= self.qsize()
 
-    def put_nowait(self, item: tuple[float, dict[str, Any]]) -> None:
+    def put_nowait(self, item: Any) -> None:
         if self.items is None:
             self.items = deque()
         self.items.append(item)
         self._wake_next()
 
-    def get_nowait(self) -> tuple[float, dict[str, Any]]:
+    def get_nowait(self) -> Any:
         assert self.items, "the inbox is empty"
         item = self.items.popleft()
         if not self.items:
             self.items = None
         return item
 
-    async def get(self) -> tuple[float, dict[str, Any]]:
+    async def get(self) -> Any:
         while not self.items:
             waiter = asyncio.get_running_loop().create_future()
             if self.waiters is None:

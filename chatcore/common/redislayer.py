@@ -60,6 +60,7 @@ from channels_redis.pubsub import (
 from channels_redis.utils import _wrap_close, create_pool, decode_hosts
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
 
+from .memlayer import Inbox
 from .publish import GroupListener
 
 # A lost subscribing connection is opened again after this long, and then once as often.
@@ -379,6 +380,12 @@ class PipelinedLoopLayer(RedisPubSubLoopLayer):
         # consumers, which hear this one's frames through Redis.
         self.origin = _MARK + uuid.uuid4().bytes
         self.group_prefix = self._get_group_channel_name("")
+
+    async def _subscribe_to_channel(self, channel: str) -> None:
+        """channels_redis's, with the channel's frames waiting in an `Inbox`: an asyncio
+        queue per open socket cost it 3 KiB (issue 57)."""
+        self.channels[channel] = Inbox(0)
+        await self._get_shard(channel).subscribe(channel)
 
     async def group_add_many(self, groups: Iterable[str], channel: str) -> None:
         """`group_add` of each group: one SUBSCRIBE per shard for those not followed yet."""

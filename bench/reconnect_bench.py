@@ -55,6 +55,7 @@ from bench.compare_bench import (  # noqa: E402
     CLK_TCK,
     _wait_port,
     _wait_settled,
+    parse_variant,
     throwaway_database,
 )
 from bench.ws_bench import percentile  # noqa: E402
@@ -437,6 +438,16 @@ def main(args: argparse.Namespace) -> None:
             tmp / "scaled", args.per_user, DATABASE_URL=url, REDIS_URL=args.redis_url
         )
         plans.append(("platform, PG + Redis", env))
+    base = list(plans)
+    for label, extra in args.variant:  # the platform again with this environment added
+        for name, env in base:
+            folder = tmp / f"{label}-{len(plans)}"
+            folder.mkdir()
+            more = {**env, **extra, "CHAT_VAR_DIR": str(folder)}
+            if env.get("DATABASE_URL"):
+                more["DATABASE_URL"], drop = throwaway_database(args.database_url)
+                drops.append(drop)
+            plans.append((f"{name} [{label}]", more))
     try:
         for name, env in plans:
             server, holds = platform_server(name, env, tmp, args)
@@ -460,6 +471,14 @@ if __name__ == "__main__":
     parser.add_argument("--round-trips", type=int, default=300, help="`sessions` round trips")
     parser.add_argument("--scaled", action="store_true", help="also PostgreSQL + Redis")
     parser.add_argument("--skip", action="append", default=[], choices=["embedded"])
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="also each platform target with this environment added (SPEC I1)",
+    )
     parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL", ""))
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""))
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

@@ -21,6 +21,7 @@ How to record an action (also for features of other modules: shares, imports, fi
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -73,7 +74,10 @@ class Actor:
         return cls.of_user(request.user, ip=client_ip(request.META), via=via)
 
 
+@functools.lru_cache(maxsize=4096)
 def _valid_ip(value: str | None) -> str | None:
+    """The address in its normal form, or None; a socket storm's addresses repeat (a proxy,
+    a NAT), each parsed once."""
     if not value:
         return None
     try:

@@ -159,3 +159,21 @@ def test_a_batch_of_sockets_is_counted_in_one_pipeline(redis_url: str) -> None:
         two.close(515151, "a1")
         assert one.open(515151, "a4", 3)
     redis.Redis.from_url(redis_url).delete("ws:user:515151", "ws:user:515152")
+
+
+def test_what_a_client_says_it_holds_is_read_from_its_url() -> None:
+    # covers: D2 (PROTOCOL "On connect": the query parameters; what does not parse is not said)
+    import uuid
+
+    from chatcore.engine.opening import Holds
+
+    mine = str(uuid.uuid4())
+    said = Holds.from_query(
+        f"dialog_id=d1&since=7&last_id={mine}&sessions_etag=ab12&since=9".encode()
+    )
+    assert said == Holds(dialog_id="d1", since=7, last_id=mine, sessions_etag="ab12")
+    assert Holds.from_query(b"") == Holds()
+    assert Holds.from_query(b"dialog_id=d%2Ex&since=-1&last_id=nope") == Holds(dialog_id="d.x")
+    hex_form = f"last_id={mine.replace('-', '')}".encode()  # normalised to the frames' form
+    assert Holds.from_query(hex_form) == Holds(last_id=mine)
+    assert Holds.from_query(b"sessions_etag=" + b"x" * 65).sessions_etag is None

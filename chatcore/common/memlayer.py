@@ -137,6 +137,8 @@ class LocalChannelLayer(InMemoryChannelLayer):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._names = itertools.count(1)
+        # Group names checked once each (a storm joins the same chats' groups again and again).
+        self._valid_groups: set[str] = set()
 
     def _clean_expired(self) -> None:
         """Channels' sweep, on the inboxes: unread messages past their expiry dropped (their
@@ -205,8 +207,14 @@ class LocalChannelLayer(InMemoryChannelLayer):
         self.require_valid_channel_name(channel)
         joined = time.time()
         for group in groups:
-            self.require_valid_group_name(group)
-            self.groups.setdefault(group, {})[channel] = joined
+            if group not in self._valid_groups:
+                self.require_valid_group_name(group)
+                if len(self._valid_groups) < 100_000:
+                    self._valid_groups.add(group)
+            members = self.groups.get(group)
+            if members is None:
+                members = self.groups[group] = {}
+            members[channel] = joined
 
     async def group_discard_many(self, groups: Iterable[str], channel: str) -> None:
         for group in groups:

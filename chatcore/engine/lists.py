@@ -145,7 +145,10 @@ class SessionLists:
             return
         watched.sockets[channel] = joined  # the caller's own set when it is one (shared)
         for group in joined - before:
-            self._by_group.setdefault(group, Counter())[user_id] += 1
+            users = self._by_group.get(group)
+            if users is None:
+                users = self._by_group[group] = Counter()
+            users[user_id] += 1
 
     def unwatch(self, user_id: int, channel: str) -> None:
         watched = self._users.get(user_id)

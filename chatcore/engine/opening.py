@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import unquote_plus
 
 from chatcore.common import dbthreads, events
 from chatcore.common.dbthreads import on_db_idempotent
@@ -61,11 +61,17 @@ class Holds:
 
     @classmethod
     def from_query(cls, query: bytes) -> Holds:
-        values = parse_qs(query.decode("latin1"))
+        if not query:
+            return cls()
+        values: dict[str, str] = {}
+        for part in query.decode("latin1").split("&"):
+            name, _eq, value = part.partition("=")
+            if name not in values:  # the first of a name counts
+                values[name] = unquote_plus(value) if "%" in value or "+" in value else value
 
         def one(name: str, longest: int = 200) -> str | None:
             found = values.get(name)
-            return found[0] if found and 0 < len(found[0]) <= longest else None
+            return found if found and len(found) <= longest else None
 
         since = one("since", 20)
         last_id = one("last_id", 40)

@@ -20,14 +20,13 @@ turn and the queue (`engine.openings.open`, gathered with other sockets' opening
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
 from typing import Any
 
 from channels.exceptions import StopConsumer
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.http.cookie import parse_cookie
-from django.utils import timezone, translation
+from django.utils import translation
 from django.utils.translation import gettext as _
 
 from audit.trail import scope_ip
@@ -64,19 +63,6 @@ def _header(scope: dict[str, Any], name: bytes) -> str:
         if key == name:
             return str(value.decode("latin1"))
     return ""
-
-
-def _resolved(listing: SessionList, requested: str | None, cfg: Any) -> Session | None:
-    """B1 from the user's list: the requested dialog, else the most recently active one if
-    within the TTL; None when the list cannot tell (the dialog is older than the list's, or
-    none is recent: a new one is made)."""
-    if requested:
-        return listing.web_dialog(requested)
-    if not listing.web:
-        return None
-    latest = listing.web[0]
-    ttl = timedelta(seconds=int(cfg["SESSION_TTL_SECONDS"]))
-    return latest if latest.last_active_at >= timezone.now() - ttl else None
 
 
 def _language(scope: dict[str, Any]) -> str:
@@ -167,7 +153,7 @@ class ChatConsumer(ChatEventsConsumer):
         newest)."""
         assert self.conn is not None
         listing = await self._listing()
-        current = _resolved(listing, requested, self.engine.cfg)
+        current = listing.resolved(requested, int(self.engine.cfg["SESSION_TTL_SECONDS"]))
         if current is None:
             with translation.override(self.language):  # B2: a new dialog's welcome
                 current = await on_db_idempotent(self.conn.resolve_or_latest)(requested)

@@ -33,7 +33,10 @@ import hashlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import timedelta
 from typing import Any
+
+from django.utils import timezone
 
 from chatcore.common import events, publish
 from sessions_app.models import Session
@@ -72,6 +75,18 @@ class SessionList:
         return SessionList(
             [events.session_item(session), *self.items], [session, *self.web], self.groups
         )
+
+    def resolved(self, requested: str | None, ttl_seconds: int) -> Session | None:
+        """B1 from the list: the requested dialog, else the most recently active one if
+        within the TTL; None when the list cannot tell (the dialog is older than the list's,
+        or none is recent: a new one is made)."""
+        if requested:
+            return self.web_dialog(requested)
+        if not self.web:
+            return None
+        latest = self.web[0]
+        recent = latest.last_active_at >= timezone.now() - timedelta(seconds=ttl_seconds)
+        return latest if recent else None
 
     def web_dialog(self, dialog_id: str) -> Session | None:
         for session in self.web:

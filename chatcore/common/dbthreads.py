@@ -135,13 +135,22 @@ def executor() -> DatabaseThreads:
     return _executor
 
 
+def under_sync_caller() -> bool:
+    """Whether this runs under `async_to_sync` called from synchronous code (an admin action,
+    a management command, a Celery task), whose thread may hold a connection and an open
+    transaction. asgiref (measured: 3.13.0) keeps that caller's executor in
+    `AsyncToSync.executors.current`, which it does not document; `tests/test_dbthreads.py`
+    fails if an upgrade changes it (SPEC I2)."""
+    return getattr(AsyncToSync.executors, "current", None) is not None
+
+
 def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     """`fn` as a coroutine function that runs on one of the database threads.
 
     Called under `async_to_sync` from a synchronous caller (an admin action, a management
     command, a Celery task), it runs on that caller's thread instead, as Django's own
     `sync_to_async` does: the call then sees the caller's connection and open transaction."""
-    if getattr(AsyncToSync.executors, "current", None) is not None:
+    if under_sync_caller():
         return sync_to_async(fn, thread_sensitive=True)
     # asgiref's stubs name ThreadPoolExecutor; it only calls the executor's `submit`.
     return sync_to_async(  # type: ignore[call-overload]
@@ -187,7 +196,7 @@ def start_on_db(fn: Callable[[], T], *, first: bool = False) -> concurrent.futur
     `DatabaseThreads.submit_first`). The thread's own future: the loop waits on it through
     `asyncio.wrap_future`, or takes its result once done. None for a synchronous caller,
     whose calls run on its own thread one after another."""
-    if getattr(AsyncToSync.executors, "current", None) is not None:
+    if under_sync_caller():
         return None
     context = contextvars.copy_context()
     call = functools.partial(context.run, _call, fn)
@@ -228,7 +237,7 @@ class Lane:
         self._drainer: asyncio.Task[None] | None = None
 
     async def run(self, fn: Callable[[], T]) -> T:
-        if getattr(AsyncToSync.executors, "current", None) is not None:
+        if under_sync_caller():
             return await on_db(fn)()  # a synchronous caller's thread and transaction
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
@@ -272,7 +281,7 @@ class Batch(Generic[I, R]):
         self._thread: threading.Thread | None = None
 
     async def run(self, item: I) -> R:
-        if getattr(AsyncToSync.executors, "current", None) is not None:
+        if under_sync_caller():
             return (await on_db(self.run_many)([item]))[0]  # a synchronous caller's thread
         return await asyncio.wrap_future(self.start(item))
 

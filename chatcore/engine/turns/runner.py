@@ -24,6 +24,7 @@ from ..provider_errors import answer_token_limit, merge_usage
 from ..provider_types import ChatProvider, Completion, ProviderError, ProviderEvent, TextDelta
 from ..tools import ToolContext, ToolRegistry
 from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
+from .items import message_to_openai
 from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome
 
 logger = logging.getLogger(__name__)
@@ -474,8 +475,6 @@ class TurnRunner:
         raise ProviderError("bad_response", "the model stream ended without a result")
 
     def _record(self, message: PendingMessage, messages: list[dict[str, Any]]) -> None:
-        from .builder import message_to_openai
-
         self.pending.append(message)
         item = message_to_openai(message)
         messages.append(item)

@@ -408,7 +408,7 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
     from asgiref.sync import sync_to_async
     from django.conf import settings as live
 
-    from chatcore.engine import admission, queue
+    from chatcore.engine import admission, after_turn, queue
     from chatcore.engine.ingress import Inbound
     from chatcore.engine.sessions import SessionStates
 
@@ -424,13 +424,13 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
 
     monkeypatch.setattr(queue, "claim_next", spy_claim_next)
     looked: list[str] = []
-    waiting_dialogs = queue.waiting_dialogs
+    waiting_dialogs = after_turn.waiting_dialogs
 
     def spy_waiting_dialogs(turn: Any, **kwargs: Any) -> Any:
         looked.append(str(turn.pk))
         return waiting_dialogs(turn, **kwargs)
 
-    monkeypatch.setattr(queue, "waiting_dialogs", spy_waiting_dialogs)
+    monkeypatch.setattr(after_turn, "waiting_dialogs", spy_waiting_dialogs)
     rec = await recorder(chat_group_of(session))
     fake_model.script(Reply(text="first answer"))
     first = await send(engine, session, "one")

@@ -37,7 +37,7 @@ from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import rows, storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
-from . import admission, control, limits, queue, snapshots
+from . import admission, control, limits, queue, snapshots, turn_controls
 from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
@@ -381,7 +381,7 @@ class Engine:
     async def stop(self, session: Session) -> StopResult:
         """Abort the running turn at once, drop unstarted sends and staged steers."""
         running, dropped = await storage.astorage_retry(
-            lambda: queue.stop(session), what="stop", session=session
+            lambda: turn_controls.stop(session), what="stop", session=session
         )
         for turn in dropped:
             await publish.apublish(
@@ -410,11 +410,12 @@ class Engine:
             )
 
     async def retry(self, session: Session, *, owner: User, client_msg_id: str = "") -> Ack:
-        """C6: re-run the last failed or cancelled turn as a new turn (`queue.enqueue_retry`).
-        A retry starts model work, so it is charged to the send rate (F7)."""
+        """C6: re-run the last failed or cancelled turn as a new turn
+        (`turn_controls.enqueue_retry`). A retry starts model work, so it is charged to the send
+        rate (F7)."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_retry(
+            lambda: turn_controls.enqueue_retry(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="retry",
@@ -432,7 +433,7 @@ class Engine:
         clients join them. Charged to the send rate like a send."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_continue(
+            lambda: turn_controls.enqueue_continue(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="continue",

@@ -24,7 +24,7 @@ from chatcore.common.errors import ShuttingDown
 from sessions_app import services, storage
 from sessions_app.models import Session, Turn, TurnMode
 
-from . import lease, queue, snapshots
+from . import after_turn, lease, queue, recovery, snapshots, turn_controls
 from .delivery import DeliveryCoordinator, sink_for_channel
 from .gather import Gathered
 from .lease import Lease, LeaseLost
@@ -89,7 +89,7 @@ class Workers:
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
         # Dialogs whose last turn's after-turn read found nothing queued or staged
-        # (`queue.after_turn_read`): unless a kick came since, their worker claims nothing.
+        # (`after_turn.after_turn_read`): unless a kick came since, their worker claims nothing.
         self._found_empty: set[str] = set()
         # Dialogs whose last turn ended with no other dialog of its party waiting for a
         # slot (the same read): `_wake_waiting` has none to look for.
@@ -281,7 +281,7 @@ class Workers:
         held = self._leases[session_pk]
         try:
             if first is None:
-                await on_db(queue.recover_interrupted)(
+                await on_db(recovery.recover_interrupted)(
                     session_pk, held, states=self.states, running_here=set(self.local)
                 )
             else:
@@ -442,7 +442,7 @@ class Workers:
         if self.closing:
             return
         try:
-            waiting = await on_db(queue.waiting_dialogs)(turn, scope=self.scope, cfg=self.cfg)
+            waiting = await on_db(after_turn.waiting_dialogs)(turn, scope=self.scope, cfg=self.cfg)
         except Exception:
             logger.exception("could not list dialogs waiting for a slot")
             return
@@ -485,7 +485,7 @@ class Workers:
             exclude = (
                 str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
             )
-            continues, lead = queue.continuation(turn)
+            continues, lead = turn_controls.continuation(turn)
             try:
                 # G6: a send's input may be under way since its admission committed, and is
                 # often built by now (taken as it is: no hop through the loop for it).
@@ -708,24 +708,24 @@ class Workers:
         found_in_commit = result.after
         left = (
             None
-            if isinstance(found_in_commit, queue.AfterTurn)
+            if isinstance(found_in_commit, after_turn.AfterTurn)
             else asyncio.ensure_future(
                 storage.astorage_retry(
-                    lambda: queue.after_turn_read(turn, fence), what="after_turn"
+                    lambda: after_turn.after_turn_read(turn, fence), what="after_turn"
                 )
             )
         )
         await self.ends.announce(turn, session, outcome, result, local)
         try:
             found = await left if left is not None else found_in_commit
-            assert isinstance(found, queue.AfterTurn)
+            assert isinstance(found, after_turn.AfterTurn)
             if not found.queued:
                 self._found_empty.add(session.pk)
             if not found.party_waiting:
                 self._party_idle.add(session.pk)
             if found.staged:
                 await storage.astorage_retry(
-                    lambda: queue.after_turn_staged(
+                    lambda: after_turn.after_turn_staged(
                         turn, result, fence, states=self.states, cfg=self.cfg
                     ),
                     what="after_turn",

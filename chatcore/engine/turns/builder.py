@@ -104,13 +104,6 @@ class PreparedInput:
     context_window: int = 0
 
 
-CONTINUE_INSTRUCTION = (
-    "Your previous answer was cut off because it reached the length limit. Continue it "
-    "exactly where it stopped, without repeating anything already written and without any "
-    "preamble."
-)
-
-
 def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:

@@ -65,7 +65,15 @@ if os.environ.get("SEND_TIMELINE"):
         import httpx
 
         from chatcore.common import dbthreads
-        from chatcore.engine import admission, engine, limits, provider_net, snapshots, worker
+        from chatcore.engine import (
+            admission,
+            engine,
+            limits,
+            provider_net,
+            snapshots,
+            turn_run,
+            worker,
+        )
         from chatcore.engine.turns import runner
         from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
@@ -85,7 +93,7 @@ if os.environ.get("SEND_TIMELINE"):
             (engine.Engine, "_prepare_early", "input built beside"),
             (worker.Workers, "start_claimed", "worker started"),
             (worker.Workers, "hand_off", "handed to the worker"),
-            (worker.Workers, "_run_turn", "turn run"),
+            (turn_run.TurnRuns, "run", "turn run"),
             (runner.TurnRunner, "_one_request", "model step"),
             (httpx.AsyncClient, "send", "model request"),
             (snapshots, "send_snapshot", "snapshot published"),

@@ -51,7 +51,7 @@ class TurnSnapshot:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set once the turn's first frame is on its way (the channel layer took it), by the
     # turn's publisher (`snapshots.publish_snapshots`); made by the worker before the runner
-    # starts (`Workers._run_cancellable`). None: nobody publishes, nothing to wait for.
+    # starts (`TurnRuns._run_cancellable`). None: nobody publishes, nothing to wait for.
     first_sent: asyncio.Event | None = None
     # The answer as pieces, joined only when read (at most a few times a second): appending
     # to one growing string would copy the whole answer at every token (STYLE 18).

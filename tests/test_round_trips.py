@@ -473,7 +473,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     # trip, ahead of its lock: its build reads nothing more; a compaction that lands before
     # the admission is in the model's input, and so is one that another transaction commits
     # while the admission's lock waits: the build sees the row's revision moved, reads anew)
-    from chatcore.engine import admission
+    from chatcore.engine import admission_lock
     from sessions_app import selectors, turn_services
     from sessions_app.models import Session
 
@@ -485,7 +485,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     await engine.wait_idle(session.pk)
 
     reads: list[str] = []
-    real_read, real_lock = selectors.turn_context, admission.lock_for_admission
+    real_read, real_lock = selectors.turn_context, admission_lock.lock_for_admission
     before_lock = threading.Event()
     holding, go = threading.Event(), threading.Event()
 
@@ -527,7 +527,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
             connection.close()
 
     monkeypatch.setattr(selectors, "turn_context", read)
-    monkeypatch.setattr(admission, "lock_for_admission", lock)
+    monkeypatch.setattr(admission_lock, "lock_for_admission", lock)
 
     fake_model.script(Reply(text="second answer"))
     await send(engine, session, "two")

@@ -18,7 +18,7 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 
 from chatcore.common import publish
-from chatcore.engine import admission, after_turn, queue
+from chatcore.engine import admission_batch, after_turn, queue
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.lease import LeaseLost
@@ -70,8 +70,8 @@ def _started(make_user: Any, count: int) -> list[queue.Started]:
             content=f"question {i}",
             sender_id=str(session.owner_id),
         )
-        outcome = admission.admit_and_start_many(
-            [admission.Admission(inbound, session, "this-process")],
+        outcome = admission_batch.admit_and_start_many(
+            [admission_batch.Admission(inbound, session, "this-process")],
             cfg=settings.CHAT,
             states=SessionStates(),
         )[0]

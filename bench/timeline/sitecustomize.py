@@ -67,6 +67,8 @@ if os.environ.get("SEND_TIMELINE"):
         from chatcore.common import dbthreads
         from chatcore.engine import (
             admission,
+            admission_batch,
+            admission_lock,
             engine,
             limits,
             provider_net,
@@ -82,8 +84,9 @@ if os.environ.get("SEND_TIMELINE"):
             (consumers.ChatConsumer, "receive", "frame received"),
             (engine.Engine, "submit", "submit"),
             (admission, "admit_and_start", "admission"),
-            (admission, "lock_for_admission", "locked row and counts"),
-            (admission, "_start_locked", "turn started in the admission"),
+            (admission_lock, "lock_for_admission", "locked row and counts"),
+            (admission, "start_locked", "turn started in the admission"),
+            (admission_batch, "start_locked", "turn started in the admission"),
             (limits.PendingCharge, "wait", "send-rate charge read"),
             (pg.DatabaseWrapper, "_commit", "COMMIT"),
             (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),

@@ -12,7 +12,6 @@ leaves for the next one (`after_turn`), checkpoints and crash recovery (`recover
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +33,6 @@ from .turns.committer import start_messages
 if TYPE_CHECKING:
     from .turns.runner import FirstRequest, OpenedRequest
 
-logger = logging.getLogger(__name__)
-
 # `claim_next`: the dialog has queued turns but its owner has no free slot (F7).
 HELD_BACK = object()
 
@@ -51,7 +48,7 @@ def lock_live(session_pk: str) -> Session:
 @dataclass
 class QueueState:
     """What admission needs to know of a dialog's queue, read with its locked row
-    (`admission.lock_for_admission`)."""
+    (`admission_lock.lock_for_admission`)."""
 
     queued: int  # the dialog's queued turns
     running: int  # its running turns (0 or 1)
@@ -83,7 +80,7 @@ def enqueue_locked(
 ) -> Turn:
     """Append a queue item; the caller holds the session row lock in a transaction (and
     passes the queue counts when it read them with the lock,
-    `admission.lock_for_admission`)."""
+    `admission_lock.lock_for_admission`)."""
     check_capacity(session, cfg, state)
     Session.objects.filter(pk=session.pk).update(turn_counter=session.turn_counter + 1)
     session.turn_counter += 1
@@ -157,7 +154,7 @@ class Started:
     appended: services.Appended | None
     generation: int
     # The turn's context, read in the admission's first round trip
-    # (`admission.lock_for_admission`), for its build; None: the build reads it.
+    # (`admission_lock.lock_for_admission`), for its build; None: the build reads it.
     context: selectors.TurnContext | None = None
     # The turn's input, being built from that read while the admission commits
     # (`Engine.submit`); None (or a None result): the worker builds it.

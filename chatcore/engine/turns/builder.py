@@ -108,9 +108,9 @@ def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:
     """A started turn's context as its admission read it, in the round trip of its lock
-    (`admission.lock_for_admission`), for the row that admission left: the user message appended
-    as the one message after the revision the read saw, and the state version raised once by
-    that append. None (read it again) when the row shows anything else."""
+    (`admission_lock.lock_for_admission`), for the row that admission left: the user message
+    appended as the one message after the revision the read saw, and the state version raised
+    once by that append. None (read it again) when the row shows anything else."""
     if found is None or session is None:
         return None
     if found.revision != (session.last_seq - 1, session.state_version - 1):

@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import throwaway_database  # noqa: E402
+from bench.servers import throwaway_database  # noqa: E402
 
 
 def dialogs(count: int, tag: str) -> list[Any]:

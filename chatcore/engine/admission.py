@@ -159,7 +159,7 @@ def admit_and_start(
         idle_send = inbound.mode in ("send", "steer") and not state.busy
         if held is not None and state.staged:
             # The worker that holds the lease has not yet dealt with what its last turn
-            # left staged (`after_turn_staged`): the turn queues behind it, in order.
+            # left staged (`after_turn.after_turn_staged`): the turn queues behind it, in order.
             idle_send = False
         owner = held.owner if held is not None else start_as
         if owner is not None and idle_send:
@@ -221,7 +221,7 @@ def start_locked(
         started_at=now,
     )
     # The sender's row is locked already, with the dialog's, and F7's counts were read after
-    # that lock (`lock_for_admission`).
+    # that lock (`admission_lock.lock_for_admission`).
     free = (
         limits.slot_free(*state.slot, cfg)
         if state.slot is not None

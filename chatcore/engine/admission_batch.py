@@ -41,14 +41,14 @@ class Admission:
 
 
 # `admit_and_start_many`'s outcome of one send: its ack and started turn, its own error, or
-# `ALONE` (it is admitted on its own, `admit_and_start`, after the batch).
+# `ALONE` (it is admitted on its own, `admission.admit_and_start`, after the batch).
 AdmissionOutcome = tuple[Ack, Started] | BaseException | object
 
 
 def admit_and_start_many(
     batch: list[Admission], *, cfg: dict[str, Any], states: SessionStates
 ) -> list[AdmissionOutcome]:
-    """`admit_and_start` for many sends to idle dialogs at once, on PostgreSQL, in one
+    """`admission.admit_and_start` for many sends to idle dialogs at once, on PostgreSQL, in one
     transaction (G6: a burst's admissions cost a few transactions, not one each). The
     batch's dialogs and its senders are distinct (one send of each per batch, the caller's
     rule).

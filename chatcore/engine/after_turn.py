@@ -35,13 +35,13 @@ class AfterTurn:
 
 def after_turn_read(turn: Turn, fence: Lease) -> AfterTurn:
     """At a turn's end, in the statement that checks the lease (G2), run last in the
-    transaction that commits the answer (`commit_outcome`'s `after`; on its own after an end
-    with nothing to commit): whether anything
-    is staged (`after_turn_staged` then has work), whether turns are queued and whether the
-    party has another dialog waiting for a slot (`limits.waiting_elsewhere`). With nothing
-    queued or staged the worker has nothing to claim (`claim_next`'s read) unless a kick
-    came since, and with no dialog waiting there is none to start (`waiting_dialogs`'s
-    query): G6, one statement after a turn, not three."""
+    transaction that commits the answer (`committer.commit_outcome`'s `after`; on its own
+    after an end with nothing to commit): whether anything is staged (`after_turn_staged`
+    then has work), whether turns are queued and whether the party has another dialog waiting
+    for a slot (`limits.waiting_elsewhere`). With nothing queued or staged the worker has
+    nothing to claim (`queue.claim_next`'s read) unless a kick came since, and with no dialog
+    waiting there is none to start (`waiting_dialogs`'s query): G6, one statement after a
+    turn, not three."""
     sql, params = after_turn_statement(turn, fence)
     with rows.cursor() as cursor:
         cursor.execute(sql, params)

@@ -190,7 +190,7 @@ class TurnRuns:
                     return []
                 return await on_db(take_staged)(turn=turn, fence=held, confirmed=True)
 
-            # The first request, if it went out already (`open_first_request`): the runner
+            # The first request, if it went out already (`Workers.open_first_request`): the runner
             # takes it, and none is opened from here on.
             started.may_open = False
             opened, started.opened = started.opened, None

@@ -132,14 +132,14 @@ def go_on(
     budget: int,
     count: Any,
 ) -> Window | None:
-    """The window `assemble`'s walk of `history` keeps, from the dialog's last build's. None
-    (walk it all) unless `history` is the one `carried` walked with only messages appended
-    since, none of them a tool's call or result or a continuation (whose items change an
-    earlier one), and the walk's inputs are the same (a message that is none of those
-    changes no tool pair and no earlier item). The window's start only moves on: the items
-    before it did not fit then, and fit less with more after them. `history` may also start
-    later than the one walked, in what the budget left out (a dialog longer than the read
-    window): then what is left out before its start is no longer counted (`Window`)."""
+    """The window `TurnInputBuilder.assemble`'s walk of `history` keeps, from the dialog's
+    last build's. None (walk it all) unless `history` is the one `carried` walked with only
+    messages appended since, none of them a tool's call or result or a continuation (whose
+    items change an earlier one), and the walk's inputs are the same (a message that is none
+    of those changes no tool pair and no earlier item). The window's start only moves on: the
+    items before it did not fit then, and fit less with more after them. `history` may also
+    start later than the one walked, in what the budget left out (a dialog longer than the
+    read window): then what is left out before its start is no longer counted (`Window`)."""
     if carried.key != key or not history:
         return None
     was = carried.window
@@ -166,7 +166,7 @@ def go_on(
     for m in history[last + 1 :]:
         r = m.__dict__.get(REPLAYED) or replayed(m)
         if r.skipped or m.seq <= through or r.empty:
-            continue  # as `_walk` (an empty answer is never replayed, E5)
+            continue  # as `TurnInputBuilder._walk` (an empty answer is never replayed, E5)
         if not r.plain:
             return None
         added.append(r.item)
@@ -179,8 +179,8 @@ def go_on(
         size += sum(map(len, more))
     head_total = key[3]
     start = 0
-    # As `_walk`'s walk back: the newest item is kept whatever it costs, and the window
-    # never starts with a tool's result.
+    # As `TurnInputBuilder._walk`'s walk back: the newest item is kept whatever it costs, and
+    # the window never starts with a tool's result.
     while start < len(items) - 1 and head_total + kept > budget:
         kept -= count(items[start])
         start += 1

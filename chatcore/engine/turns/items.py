@@ -65,7 +65,8 @@ class Replayed:
     continues: str
     # A tool call or a tool's result: the input is checked for pairs only when it has one.
     tool: bool
-    # Neither empty, a continuation nor a tool's: its item goes in as it is (`assemble`).
+    # Neither empty, a continuation nor a tool's: its item goes in as it is
+    # (`TurnInputBuilder._walk`).
     plain: bool
 
 

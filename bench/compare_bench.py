@@ -130,18 +130,17 @@ def measure(target: Target, model: Model, args: argparse.Namespace) -> dict[str,
 
 
 # The targets, as ratios to the floor measured in the same repetition: (figure, bound,
-# whether the figure must stay at most (True) or at least (False) the bound). delivered/offered
-# is an absolute figure (the floor's own is printed beside it).
+# whether the figure must stay at most (True) or at least (False) the bound).
 TARGETS: list[tuple[str, str, float, bool]] = [
     ("TTFT p50", "ttft_p50", 2.0, True),
     ("TTFT p99", "ttft_p99", 3.0, True),
     ("CPU/turn", "cpu_ms", 2.0, True),
+    ("delivered/offered", "delivered", 0.9, False),
     ("burst TTFT p99", "burst_p99", 3.0, True),
 ]
-MIN_DELIVERED = 0.85
 
 # The figures of a row shown as ratios to the floor.
-RATIO_KEYS = ("ttft_p50", "ttft_p99", "cpu_ms", "burst_p99", "burst_cpu_ms")
+RATIO_KEYS = ("ttft_p50", "ttft_p99", "cpu_ms", "delivered", "burst_p99", "burst_cpu_ms")
 
 
 def run_once(
@@ -194,10 +193,8 @@ def misses(name: str, figures: dict[str, list[float]], one: dict[str, list[float
     for label, key, bound, at_most in TARGETS:
         value = statistics.median(figures[f"x_{key}"])
         if (value > bound) if at_most else (value < bound):
-            out.append(f"{label} {value:.1f}x")
+            out.append(f"{label} {value:.2f}x")
     delivered = statistics.median(figures["delivered"])
-    if delivered < MIN_DELIVERED:
-        out.append(f"delivered {delivered:.3f}")
     # "At least" to the figure's printed precision: a tie there is not a miss (one run read
     # "0.925 against 0.925" as one).
     carried = statistics.median(one["delivered"]) if one is not None else 0.0
@@ -219,23 +216,26 @@ def report(args: argparse.Namespace, runs: list[list[tuple[str, dict[str, Any]]]
     )
     print(
         "| target | added TTFT p50 / p99 (ms) | x floor | CPU/turn (ms) | x floor "
-        f"| {args.streams} streams delivered/offered | TTFT p99 (ms) | x floor "
+        f"| {args.streams} streams delivered/offered | x floor | TTFT p99 (ms) | x floor "
         "| CPU/stream (ms) | x floor | mismatches |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, f in summary.items():
         print(
             f"| {name} | {cell(f['ttft_p50'])} / {cell(f['ttft_p99'])} "
             f"| {cell(f['x_ttft_p50'])} / {cell(f['x_ttft_p99'])} "
             f"| {cell(f['cpu_ms'])} | {cell(f['x_cpu_ms'])} "
-            f"| {cell(f['delivered'], 2)} | {cell(f['burst_p99'], 0)} "
+            f"| {cell(f['delivered'], 2)} | {cell(f['x_delivered'], 2)} "
+            f"| {cell(f['burst_p99'], 0)} "
             f"| {cell(f['x_burst_p99'])} "
             f"| {cell(f['burst_cpu_ms'])} | {cell(f['x_burst_cpu_ms'])} "
             f"| {sum(f['mismatches']):.0f} |"
         )
     one = next((f for name, f in summary.items() if name.endswith("1 process(es)")), None)
-    print("\nTargets (medians): TTFT p50 <= 2x, p99 <= 3x, CPU/turn <= 2x, burst TTFT p99 <= 3x,")
-    print(f"delivered/offered >= {MIN_DELIVERED}, 2 processes carry at least what 1 does:")
+    print("\nTargets (medians of the ratios): TTFT p50 <= 2x, p99 <= 3x, CPU/turn <= 2x,")
+    print(
+        "delivered/offered >= 0.9x, burst TTFT p99 <= 3x; 2 processes carry at least what 1 does:"
+    )
     for name, f in summary.items():
         if name != "floor relay":
             two = name.endswith("2 process(es)")

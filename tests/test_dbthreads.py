@@ -37,6 +37,7 @@ async def test_blocked_database_threads_leave_the_loop_and_the_other_threads_run
     assert await asyncio.wait_for(asyncio.gather(stuck, *rest), 5) == [True] * count
 
 
+@pytest.mark.both_dbs
 @pytest.mark.django_db(transaction=True)
 def test_a_synchronous_callers_calls_run_on_its_thread_inside_its_transaction() -> None:
     # covers: I2 (asgiref's undocumented `AsyncToSync.executors`, measured with asgiref

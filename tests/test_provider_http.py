@@ -47,9 +47,13 @@ def sends(*parts: bytes, keep: bool = True) -> Respond:
 
 def test_the_transport_names_the_library_versions_it_was_measured_against() -> None:
     # covers: I1 (the figures that keep this transport were measured beside these versions:
-    # an upgrade of any of them measures again, bench/notes/http-transport.md, and then
-    # updates MEASURED_AGAINST)
-    assert {name: version(name) for name in MEASURED_AGAINST} == MEASURED_AGAINST
+    # a new release line of any of them (a patch release is not one) measures again, as
+    # bench/notes/http-transport.md says, and then updates MEASURED_AGAINST)
+    def line(text: str) -> list[str]:
+        return text.split(".")[:2]
+
+    installed = {name: line(version(name)) for name in MEASURED_AGAINST}
+    assert installed == {name: line(v) for name, v in MEASURED_AGAINST.items()}
 
 
 @pytest.mark.parametrize(

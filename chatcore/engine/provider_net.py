@@ -4,9 +4,10 @@ httpx's client (requests, responses, timeouts, errors, event hooks and auth stay
 It stays by what it measured beside the libraries that would replace it, in the same runs
 (`bench/notes/http-transport.md`): httpx's default transport (httpcore, h11) costs 70% more
 first-token time and 80% more CPU per turn and misses the guardrail; beside httpx-aiohttp
-this one is 26-39% lower on a figure of each run, and that one does not keep httpx's errors. `MEASURED_AGAINST` names the versions; a test
-fails when one changes, to measure again. The framing rules (h11's, stricter
-where RFC 9112 asks) are in `provider_http`. What it does its own way:
+this one is 26-39% lower on a figure of each run, and that one does not keep httpx's errors.
+`MEASURED_AGAINST` names the versions; a test fails when a new release line of one comes,
+to measure again. The framing rules (h11's, stricter where RFC 9112 asks) are in
+`provider_http`. What it does its own way:
 
 - a connection is an `asyncio.Protocol`: a read takes what arrived, and the read timeout is
   one timer per connection, moved on lazily; reading pauses past `HIGH_WATER` unread bytes;

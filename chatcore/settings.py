@@ -162,6 +162,12 @@ TEMPLATES = [
 
 # --- Database -------------------------------------------------------------------------------
 DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
+# Measurement switch (SPEC I1): Django's own backends instead of `chatcore.sqlite` and
+# `chatcore.postgresql`.
+_DB_LIBRARY = _env_bool("CHAT_DB_LIBRARY", False)
+# Measurement switch (SPEC I1): the turn's rows written and read by the ORM instead of
+# `sessions_app.rows`'s statements.
+CHAT_ROWS_ORM = _env_bool("CHAT_ROWS_ORM", False)
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL, conn_max_age=0))
 else:
@@ -180,7 +186,7 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["CONN_MAX_AGE"] = None
     # Django's SQLite backend, with this process's write transactions taking turns in Python
     # rather than in SQLite's busy handler, which sleeps (`chatcore/sqlite/base.py`).
-    _db["ENGINE"] = "chatcore.sqlite"
+    _db["ENGINE"] = "django.db.backends.sqlite3" if _DB_LIBRARY else "chatcore.sqlite"
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
@@ -190,7 +196,7 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # one the server ended while it sat in the pool is replaced, not handed to a read that has
     # no retry (G5); the check costs no round trip while the connection is sound
     # (`chatcore/postgresql/base.py`).
-    _db["ENGINE"] = "chatcore.postgresql"
+    _db["ENGINE"] = "django.db.backends.postgresql" if _DB_LIBRARY else "chatcore.postgresql"
     _db["CONN_MAX_AGE"] = 0
     _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})["pool"] = {

@@ -168,6 +168,9 @@ _DB_LIBRARY = _env_bool("CHAT_DB_LIBRARY", False)
 # Measurement switch (SPEC I1): the turn's rows written and read by the ORM instead of
 # `sessions_app.rows`'s statements.
 CHAT_ROWS_ORM = _env_bool("CHAT_ROWS_ORM", False)
+# Measurement switch (SPEC I1): with CHAT_ROWS_ORM, the statements written in SQL still bound
+# on the server (prepared after five runs).
+CHAT_SQL_BOUND = _env_bool("CHAT_SQL_BOUND", False)
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL, conn_max_age=0))
 else:
@@ -198,7 +201,8 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # (`chatcore/postgresql/base.py`).
     _db["ENGINE"] = "django.db.backends.postgresql" if _DB_LIBRARY else "chatcore.postgresql"
     _db["CONN_MAX_AGE"] = 0
-    _db["CONN_HEALTH_CHECKS"] = True
+    # Measurement switch (SPEC I1): CHAT_DB_HEALTH_CHECKS=0, no check on borrow.
+    _db["CONN_HEALTH_CHECKS"] = _env_bool("CHAT_DB_HEALTH_CHECKS", True)
     _db.setdefault("OPTIONS", {})["pool"] = {
         "min_size": 2,
         "max_size": _env_int("CHAT_DB_POOL_SIZE", _env_int("CHAT_DB_THREADS", 6) + 6),

@@ -136,7 +136,7 @@ def cursor() -> CursorWrapper:
     expressions need (a parameter whose type only the client knows). Elsewhere (SQLite, which
     caches its statements itself) Django's own cursor."""
     conn = connections[DEFAULT_DB_ALIAS]
-    if conn.vendor != "postgresql" or settings.CHAT_ROWS_ORM:
+    if conn.vendor != "postgresql" or (settings.CHAT_ROWS_ORM and not settings.CHAT_SQL_BOUND):
         return conn.cursor()
     from django.db.backends.postgresql.base import ServerBindingCursor
 

@@ -162,15 +162,6 @@ TEMPLATES = [
 
 # --- Database -------------------------------------------------------------------------------
 DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
-# Measurement switch (SPEC I1): Django's own backends instead of `chatcore.sqlite` and
-# `chatcore.postgresql`.
-_DB_LIBRARY = _env_bool("CHAT_DB_LIBRARY", False)
-# Measurement switch (SPEC I1): the turn's rows written and read by the ORM instead of
-# `sessions_app.rows`'s statements.
-CHAT_ROWS_ORM = _env_bool("CHAT_ROWS_ORM", False)
-# Measurement switch (SPEC I1): with CHAT_ROWS_ORM, the statements written in SQL still bound
-# on the server (prepared after five runs).
-CHAT_SQL_BOUND = _env_bool("CHAT_SQL_BOUND", False)
 if DATABASE_URL:
     _db: dict[str, Any] = dict(dj_database_url.parse(DATABASE_URL, conn_max_age=0))
 else:
@@ -189,7 +180,7 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     _db["CONN_MAX_AGE"] = None
     # Django's SQLite backend, with this process's write transactions taking turns in Python
     # rather than in SQLite's busy handler, which sleeps (`chatcore/sqlite/base.py`).
-    _db["ENGINE"] = "django.db.backends.sqlite3" if _DB_LIBRARY else "chatcore.sqlite"
+    _db["ENGINE"] = "chatcore.sqlite"
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
@@ -199,10 +190,9 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # one the server ended while it sat in the pool is replaced, not handed to a read that has
     # no retry (G5); the check costs no round trip while the connection is sound
     # (`chatcore/postgresql/base.py`).
-    _db["ENGINE"] = "django.db.backends.postgresql" if _DB_LIBRARY else "chatcore.postgresql"
+    _db["ENGINE"] = "chatcore.postgresql"
     _db["CONN_MAX_AGE"] = 0
-    # Measurement switch (SPEC I1): CHAT_DB_HEALTH_CHECKS=0, no check on borrow.
-    _db["CONN_HEALTH_CHECKS"] = _env_bool("CHAT_DB_HEALTH_CHECKS", True)
+    _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})["pool"] = {
         "min_size": 2,
         "max_size": _env_int("CHAT_DB_POOL_SIZE", _env_int("CHAT_DB_THREADS", 6) + 6),

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
@@ -62,7 +61,7 @@ def merged() -> Iterator[None]:
     statement itself is held in turn, to go with the transaction's next statement or its
     COMMIT: an error in it is raised there, inside the same transaction."""
     conn = connections[DEFAULT_DB_ALIAS]
-    if conn.vendor != "postgresql" or _holding() is not None or settings.CHAT_ROWS_ORM:
+    if conn.vendor != "postgresql" or _holding() is not None:
         yield
         return
     _held.writes = []
@@ -92,11 +91,11 @@ def pipelined() -> Iterator[None]:
     """On PostgreSQL, the statements executed inside go to the server in one round trip at
     the end of the block (read their results after it); elsewhere each runs at once."""
     conn = connections[DEFAULT_DB_ALIAS]
-    if conn.vendor != "postgresql":
+    together = getattr(conn, "pipelined", None)
+    if together is None:
         yield
         return
-    conn.ensure_connection()
-    with conn.wrap_database_errors, conn.connection.pipeline():
+    with together():
         yield
 
 
@@ -136,7 +135,7 @@ def cursor() -> CursorWrapper:
     expressions need (a parameter whose type only the client knows). Elsewhere (SQLite, which
     caches its statements itself) Django's own cursor."""
     conn = connections[DEFAULT_DB_ALIAS]
-    if conn.vendor != "postgresql" or (settings.CHAT_ROWS_ORM and not settings.CHAT_SQL_BOUND):
+    if conn.vendor != "postgresql":
         return conn.cursor()
     from django.db.backends.postgresql.base import ServerBindingCursor
 
@@ -238,9 +237,6 @@ def insert(objs: Sequence[Model]) -> None:
     if not objs:
         return
     model = type(objs[0])
-    if settings.CHAT_ROWS_ORM:
-        model._default_manager.bulk_create(objs)
-        return
     opts = model._meta
     if opts.pk is None or opts.pk.db_returning:
         raise ValueError(f"{opts.label}: rows.insert needs a client-side primary key")
@@ -275,15 +271,6 @@ def _named(model: type[Model], names: tuple[str, ...]) -> list[Field[Any, Any]]:
 
 def update(obj: Model, names: Iterable[str]) -> None:
     """UPDATE the given fields of `obj`'s row (by primary key) in one statement."""
-    if settings.CHAT_ROWS_ORM:
-        fields = [type(obj)._meta.get_field(name) for name in names]
-        values = {f.attname: getattr(obj, f.attname) for f in fields}  # type: ignore[union-attr]
-        found = type(obj)._default_manager.filter(pk=obj.pk).update(**values)
-        if found != 1:
-            from django.db import DatabaseError
-
-            raise DatabaseError(f"{type(obj)._meta.label} {obj.pk}: {found} rows updated")
-        return
     model = type(obj)
     opts = model._meta
     assert opts.pk is not None
@@ -353,7 +340,7 @@ def from_row(model: type[M], row: Sequence[Any]) -> M:
             value = convert(value, col, conn)
         values[i] = value
     names = _set_directly(model)
-    if names is None or settings.CHAT_ROWS_ORM:
+    if names is None:
         return model.from_db(conn.alias, (), values)
     pre_init.send(sender=model, args=tuple(values), kwargs={})
     obj = model.__new__(model)

@@ -369,10 +369,6 @@ def messages_for_context(*, session_pk: str, after_seq: int = 0) -> list[Message
     """The dialog's messages after `after_seq`, ascending: what a model input is built from.
     It runs before a turn's first token whenever the history cache is behind, so it is
     written in SQL (`rows.from_row`)."""
-    if settings.CHAT_ROWS_ORM:
-        return list(
-            Message.objects.filter(session_id=session_pk, seq__gt=after_seq).order_by("seq")
-        )
     table = Message._meta.db_table
     sql = (
         f'SELECT {row_columns(Message, "m")} FROM "{table}" m'  # noqa: S608

@@ -440,8 +440,6 @@ def lock_session(session_pk: str) -> Session | None:
     """The dialog's row, locked for the caller's transaction (FOR UPDATE where the database
     has it; SQLite's write transaction already serialises). Every write of a turn starts
     with it, so it is written in SQL: our own table, the id as a parameter."""
-    if settings.CHAT_ROWS_ORM:
-        return Session.objects.select_for_update().filter(pk=session_pk).first()
     lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
     table = Session._meta.db_table
     sql = f'SELECT {rows_columns(Session, "s")} FROM "{table}" s WHERE s."id" = %s{lock}'  # noqa: S608
@@ -456,11 +454,6 @@ def lock_sessions_free(session_pks: Sequence[str]) -> dict[str, Session]:
     transaction holds, locked in id order (SKIP LOCKED: a batch never waits for a lock, so
     it is never part of a circle of transactions waiting on each other), by id. A row held
     elsewhere, or gone, is not among them. One text whatever the number of ids."""
-    if settings.CHAT_ROWS_ORM:
-        free = Session.objects.select_for_update(skip_locked=True).filter(
-            pk__in=sorted(set(session_pks))
-        )
-        return {str(s.pk): s for s in free.order_by("pk")}
     table = Session._meta.db_table
     sql = (
         f'SELECT {rows_columns(Session, "s")} FROM "{table}" s'  # noqa: S608

@@ -300,28 +300,25 @@ def _commit_together(
     done: list[tuple[int, _Plan, services.Appended, object]] = []
     with transaction.atomic():
         locked = services.lock_sessions_free([str(e.turn.session_id) for _i, e, _p in plans])
-        written = []
-        for i, ending, plan in plans:
-            row = locked.pop(str(ending.turn.session_id), None)  # one end per dialog
-            if (
-                row is None
-                or not ending.fence.matches(row)
-                or row.generation != ending.base_generation
-                or row.deleted_at is not None
-            ):
-                continue
-            with rows.merged():
-                appended = services.append_locked(
-                    row,
-                    [_new(m) for m in plan.messages],
-                    turn=ending.turn,
-                    extra=functools.partial(_finish_planned, ending.turn, plan),
-                )
-            written.append((i, ending, plan, appended))
+        sent = []
         with contextlib.ExitStack() as cursors:
-            sent = []
             with rows.pipelined():
-                for i, ending, plan, appended in written:
+                for i, ending, plan in plans:
+                    row = locked.pop(str(ending.turn.session_id), None)  # one end per dialog
+                    if (
+                        row is None
+                        or not ending.fence.matches(row)
+                        or row.generation != ending.base_generation
+                        or row.deleted_at is not None
+                    ):
+                        continue
+                    with rows.merged():
+                        appended = services.append_locked(
+                            row,
+                            [_new(m) for m in plan.messages],
+                            turn=ending.turn,
+                            extra=functools.partial(_finish_planned, ending.turn, plan),
+                        )
                     reading = cursors.enter_context(rows.cursor())
                     reading.execute(*after(ending))
                     sent.append((i, ending, plan, appended, reading))

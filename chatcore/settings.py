@@ -187,9 +187,7 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # connection per call and give it back, so connections are reused, never opened per turn,
     # and bounded here rather than by the thread count. Each borrow checks its connection, so
     # one the server ended while it sat in the pool is replaced, not handed to a read that has
-    # no retry (G5); the check costs no round trip while the connection is sound
-    # (`chatcore/postgresql/base.py`).
-    _db["ENGINE"] = "chatcore.postgresql"
+    # no retry (G5).
     _db["CONN_MAX_AGE"] = 0
     _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})["pool"] = {

@@ -69,8 +69,9 @@ async def unwrap_engine_statements(wrapper: Any) -> None:
 
 
 class Exchanges:
-    """How many times the client got an answer from the server on `conn` after waiting for
-    it: its round trips (a pipeline's writes, which wait for nothing, do not count)."""
+    """The round trips on `conn`: how many times the client, with nothing left to send,
+    waited for the server's answer (results read while a pipeline is still sending its
+    statements are part of the pipeline's one, not one more)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn, self.count = conn, 0
@@ -87,9 +88,10 @@ class Exchanges:
         sent = None
         try:
             while True:
-                ready = gen.send(sent)
-                sent = yield ready
-                if sent & psycopg.waiting.Ready.R:  # the server's answer came in
+                wanted = gen.send(sent)
+                sent = yield wanted
+                # Waiting to read only (nothing left to send), and the answer came in.
+                if wanted == psycopg.waiting.Wait.R and sent & psycopg.waiting.Ready.R:
                     self.count += 1
         except StopIteration as stop:
             return stop.value

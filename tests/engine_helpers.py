@@ -71,9 +71,9 @@ async def unwrap_engine_statements(wrapper: Any) -> None:
 class Exchanges:
     """The round trips on `conn`: how many times the client, with nothing left to send,
     waited for the server's answer (results read while a pipeline is still sending its
-    statements are part of the pipeline's one, not one more). At most the round trips made:
-    an answer that is back before the client looks for it (psycopg's BEGIN in a pipeline,
-    on a busy machine) needs no wait and is not counted, so tests pin an upper bound."""
+    statements are part of the pipeline's one, not one more). Exact where the server cannot
+    answer before the client waits (a statement waiting for a lock); elsewhere an answer
+    may be back before psycopg looks for it: `Sent` tells those apart."""
 
     def __init__(self, conn: Any) -> None:
         self.conn, self.count = conn, 0
@@ -100,6 +100,26 @@ class Exchanges:
 
     def __exit__(self, *exc: Any) -> None:
         del self.conn.wait
+
+
+class Sent:
+    """The statements Django sends on this thread's connection (`with connection.
+    execute_wrapper(sent):`), each with whether it went in a psycopg pipeline (sent with the
+    others around it, their answers read in one round trip) or alone (a round trip of its
+    own). psycopg's BEGIN and the COMMIT are not among them."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, bool]] = []
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        pgconn = context["connection"].connection.pgconn
+        piped = pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+        self.statements.append((sql, piped))
+        return execute(sql, params, many, context)
+
+    @property
+    def piped(self) -> list[bool]:
+        return [piped for _sql, piped in self.statements]
 
 
 class HoldFirst:

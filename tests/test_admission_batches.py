@@ -30,8 +30,8 @@ from sessions_app import services
 from sessions_app.models import Message, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
-    Exchanges,
     HoldFirst,
+    Sent,
     history,
     make_dialog,
     send,
@@ -76,21 +76,23 @@ def _admission(session: Session, content: str, **kw: Any) -> admission_batch.Adm
 def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_a_round_trip_each(
     make_user: Any,
 ) -> None:
-    # covers: G6, C1, C3, G2 (psycopg's BEGIN; every dialog's and sender's rows locked and
-    # counted in one round trip; each turn, its user message and lease in one statement; the
-    # one COMMIT)
+    # covers: G6, C1, C3, G2 (every dialog's and sender's rows locked and counted in one
+    # round trip; each turn, its user message and lease in one statement; psycopg's BEGIN
+    # and the one COMMIT)
     dialogs = _dialogs(make_user, 5)
     started_seen: list[str] = []
     batch = [
         _admission(s, f"hello {i}", on_started=lambda st: started_seen.append(str(st.turn.pk)))
         for i, s in enumerate(dialogs)
     ]
-    connection.ensure_connection()
-    with Exchanges(connection.connection) as exchanges:
+    sent = Sent()
+    with connection.execute_wrapper(sent):
         outcomes = admission_batch.admit_and_start_many(
             batch, cfg=settings.CHAT, states=SessionStates()
         )
-    assert exchanges.count <= 1 + 1 + len(batch) + 1
+    # The two locks and a count per dialog, together; then one statement per started turn.
+    assert sent.piped == [True] * (2 + len(batch)) + [False] * len(batch)
+    assert all(sql.startswith("WITH ") for sql, _piped in sent.statements[2 + len(batch) :])
     for i, (session, outcome) in enumerate(zip(dialogs, outcomes, strict=True)):
         assert isinstance(outcome, tuple), outcome
         ack, started = outcome

@@ -34,8 +34,8 @@ from sessions_app import services
 from sessions_app.models import Message, MessageKind, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
-    Exchanges,
     HoldFirst,
+    Sent,
     chat_group_of,
     gated_answers,
     history,
@@ -104,20 +104,21 @@ def _answers(session_pk: str) -> list[tuple[int, str]]:
     ]
 
 
-def test_a_batch_of_turn_ends_commits_every_answer_in_four_round_trips(
+def test_a_batch_of_turn_ends_commits_every_answer_in_two_round_trips_and_its_commit(
     make_user: Any, django_assert_num_queries: Any
 ) -> None:
-    # covers: G6, C9, A3, A4 (psycopg's BEGIN; the rows locked in one round trip; every
-    # turn's messages, row update, end and after-turn read in one more; the COMMIT; each
-    # answer in its dialog's history held here)
+    # covers: G6, C9, A3, A4 (the rows locked in one round trip; every turn's messages, row
+    # update and end as one statement, and its after-turn read, all in one more; psycopg's
+    # BEGIN and the COMMIT; each answer in its dialog's history held here)
     started = _started(make_user, 5)
     states = SessionStates()
     for st in started:  # the dialogs' histories, held here through their user messages
         assert len(states.history(Session.objects.get(pk=st.session.pk))) == 2
-    connection.ensure_connection()
-    with Exchanges(connection.connection) as exchanges:
+    sent = Sent()
+    with connection.execute_wrapper(sent):
         results = _commit_many([_ending(s, f"answer {i}") for i, s in enumerate(started)], states)
-    assert exchanges.count <= 4
+    assert sent.piped == [False] + [True] * 2 * len(started)
+    assert all(sql.startswith("WITH ") for sql, _piped in sent.statements[1::2])
     for i, (st, result) in enumerate(zip(started, results, strict=True)):
         assert isinstance(result, CommitResult), result
         assert (result.status, result.error) == (TurnStatus.COMPLETED, None)

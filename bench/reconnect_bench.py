@@ -51,13 +51,8 @@ from urllib.parse import urlencode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import (  # noqa: E402
-    CLK_TCK,
-    _wait_port,
-    _wait_settled,
-    parse_variant,
-    throwaway_database,
-)
+from bench.compare_bench import parse_variant  # noqa: E402
+from bench.servers import CLK_TCK, _wait_port, _wait_settled, throwaway_database  # noqa: E402
 from bench.ws_bench import percentile  # noqa: E402
 from tests.procs import embedded_env, free_port, popen_manage  # noqa: E402
 

@@ -29,6 +29,11 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    return float(raw) if raw else default
+
+
 def _env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
@@ -168,8 +173,10 @@ else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     _db = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(VAR_DIR / "chat.sqlite3")}
 if _db["ENGINE"] == "django.db.backends.sqlite3":
-    # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at BEGIN so
-    # two writers queue on busy_timeout instead of failing to upgrade a read lock.
+    # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at BEGIN, so
+    # two writers queue in SQLite's busy handler instead of failing to upgrade a read lock; a
+    # writer waits up to `timeout` seconds for the one before it, then fails "database is
+    # locked" (storage retries it, A4).
     _db["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
         "timeout": 20,
@@ -178,9 +185,6 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     # Connections stay open (database threads and request threads alike): opening one costs
     # more than most queries, and closing the last one checkpoints and removes the WAL file.
     _db["CONN_MAX_AGE"] = None
-    # Django's SQLite backend, with this process's write transactions taking turns in Python
-    # rather than in SQLite's busy handler, which sleeps (`chatcore/sqlite/base.py`).
-    _db["ENGINE"] = "chatcore.sqlite"
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
@@ -188,9 +192,7 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # connection per call and give it back, so connections are reused, never opened per turn,
     # and bounded here rather than by the thread count. Each borrow checks its connection, so
     # one the server ended while it sat in the pool is replaced, not handed to a read that has
-    # no retry (G5); the check costs no round trip while the connection is sound
-    # (`chatcore/postgresql/base.py`).
-    _db["ENGINE"] = "chatcore.postgresql"
+    # no retry (G5).
     _db["CONN_MAX_AGE"] = 0
     _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})["pool"] = {
@@ -410,8 +412,11 @@ LLM: dict[str, Any] = {
     "CONTEXT_WINDOWS": _env_windows("LLM_CONTEXT_WINDOWS"),
     "MODELS_REFRESH_SECONDS": 300,
     "MODELS_TIMEOUT": 5.0,
-    "CONNECT_TIMEOUT": 10.0,
-    "READ_TIMEOUT": 120.0,
+    # I3: seconds to open a connection to the model server, and the longest silence while
+    # waiting for its answer (before the first token or between two): past it the turn ends
+    # `failed`, keeping what arrived.
+    "CONNECT_TIMEOUT": _env_float("LLM_CONNECT_TIMEOUT", 10.0),
+    "READ_TIMEOUT": _env_float("LLM_READ_TIMEOUT", 120.0),
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
     # E5: cap on answer tokens per request (0 = what the window leaves after the input), and
@@ -423,7 +428,7 @@ LLM: dict[str, Any] = {
     # STYLE 6: no cap on concurrent connections (CHAT_MODEL_CALLS_MAX bounds the calls), a
     # small keep-alive pool, and a short wait for a pooled connection.
     "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
-    "POOL_TIMEOUT": 5.0,
+    "POOL_TIMEOUT": _env_float("LLM_POOL_TIMEOUT", 5.0),
     # F3, I3: how much of a model server's answer is read: one server-sent event line, the
     # decompressed stream (bytes, and ratio to what arrived), the start of an error body.
     "MAX_EVENT_BYTES": _env_int("LLM_MAX_EVENT_BYTES", 1024 * 1024),

@@ -44,6 +44,7 @@ from .connection import ChannelConnection, resolve_attachments
 from .frames import optional_int, parse_client_frame
 from .models import Session
 from .settings_services import settings_changes
+from .ws_auth import authenticate
 from .ws_events import CHANNEL, ChatEventsConsumer, chat_groups
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class ChatConsumer(ChatEventsConsumer):
     # --- connection ------------------------------------------------------------------------
 
     async def connect(self) -> None:
+        # The socket's login, read here rather than by a middleware whose coroutine would
+        # wait for the socket's whole life (issue 57).
+        await authenticate(self.scope)
         user = self.scope.get("user")
         if user is None or not user.is_authenticated:
             await self.accept()

@@ -19,16 +19,12 @@ reference.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
-from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
@@ -41,7 +37,6 @@ from chatcore.engine.opening import RECENT_IDS
 from . import login_cache, logins, selectors
 from .connection import ChannelConnection
 from .models import Session
-from .ws_auth import authenticate
 
 logger = logging.getLogger(__name__)
 
@@ -72,59 +67,6 @@ def read_listing(*, owner_id: int, chat_id: str) -> SessionList:
     )
 
 
-async def dispatch_in_turn(
-    sources: list[Callable[[], Awaitable[dict[str, Any]]]],
-    dispatch: Callable[[dict[str, Any]], Awaitable[None]],
-) -> None:
-    """What channels' `await_many_dispatch` does for a consumer (each message of `sources`
-    dispatched in the order its source gave it, one dispatch at a time, the next message of
-    a source read once its last one was dispatched), with fewer turns of the event loop per
-    message: each source is read by a pump that dispatches what it read there and then,
-    under a lock the sources share. channels makes a task per message and waits for it with
-    `asyncio.wait`, whose callback wakes the consumer's own task: three turns of the loop
-    between a frame put in the consumer's queue and its send to the socket, where this
-    takes one (every frame of every stream, and a turn's first token, pay them on the loop
-    all sockets share). The first source is pumped by the calling task itself, the others
-    by a task each (an idle socket holds one task besides its own, issue 57). Ends with the
-    first pump that ends: `StopConsumer` or an error of a dispatch is raised here, and the
-    other pumps are cancelled (never in the middle of a dispatch: only one runs at a
-    time)."""
-    dispatching = asyncio.Lock()
-
-    async def pump(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        while True:
-            message = await receive()
-            async with dispatching:  # taken at once when no other dispatch is under way
-                await dispatch(message)
-
-    first, *rest = sources
-    this = asyncio.current_task()
-    assert this is not None
-
-    def ended(helper: asyncio.Future[None]) -> None:
-        if not helper.cancelled() and not this.done():
-            this.cancel()  # this pump ends with it; its outcome is raised below
-
-    helpers = [asyncio.ensure_future(pump(receive)) for receive in rest]
-    for helper in helpers:
-        helper.add_done_callback(ended)
-    try:
-        await pump(first)
-    except asyncio.CancelledError:
-        done = next((h for h in helpers if h.done() and not h.cancelled()), None)
-        if done is None:
-            raise  # cancelled from outside
-        this.uncancel()
-        done.result()  # its StopConsumer or error; a pump ends no other way
-        raise
-    finally:
-        for helper in helpers:
-            helper.remove_done_callback(ended)
-            helper.cancel()
-        # Their ends collected (the one raised above included), none raised again here.
-        await asyncio.gather(*helpers, return_exceptions=True)
-
-
 class ChatEventsConsumer(AsyncWebsocketConsumer):
     """The relaying half of the web chat's socket (see the module docstring)."""
 
@@ -153,25 +95,6 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     ended: deque[str] | None = None
     echoed_updates: dict[str, dict[str, Any]] | None = None
     history_sent: dict[str, tuple[int, frozenset[str]]] | None = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """channels' `AsyncConsumer.__call__`, dispatching with `dispatch_in_turn`, the scope
-        authenticated first (`authenticate`)."""
-        await self.authenticate(scope)
-        self.scope = scope
-        self.channel_layer = get_channel_layer(self.channel_layer_alias)
-        sources = [receive]
-        if self.channel_layer is not None:
-            self.channel_name = await self.channel_layer.new_channel()
-            self.channel_receive = functools.partial(self.channel_layer.receive, self.channel_name)
-            sources.append(self.channel_receive)
-        self.base_send = send
-        with contextlib.suppress(StopConsumer):
-            await dispatch_in_turn(sources, self.dispatch)
-
-    async def authenticate(self, scope: dict[str, Any]) -> None:
-        """Put the connection's login into its scope (`ws_auth.authenticate`)."""
-        await authenticate(scope)
 
     def echoed(self, frame: dict[str, Any]) -> None:
         """`frame` (a `session_updated`) was sent by this socket itself: the same frame from

@@ -69,8 +69,11 @@ async def unwrap_engine_statements(wrapper: Any) -> None:
 
 
 class Exchanges:
-    """How many times the client got an answer from the server on `conn` after waiting for
-    it: its round trips (a pipeline's writes, which wait for nothing, do not count)."""
+    """The round trips on `conn`: how many times the client, with nothing left to send,
+    waited for the server's answer (results read while a pipeline is still sending its
+    statements are part of the pipeline's one, not one more). Exact where the server cannot
+    answer before the client waits (a statement waiting for a lock); elsewhere an answer
+    may be back before psycopg looks for it: `Sent` tells those apart."""
 
     def __init__(self, conn: Any) -> None:
         self.conn, self.count = conn, 0
@@ -87,15 +90,36 @@ class Exchanges:
         sent = None
         try:
             while True:
-                ready = gen.send(sent)
-                sent = yield ready
-                if sent & psycopg.waiting.Ready.R:  # the server's answer came in
+                wanted = gen.send(sent)
+                sent = yield wanted
+                # Waiting to read only (nothing left to send), and the answer came in.
+                if wanted == psycopg.waiting.Wait.R and sent & psycopg.waiting.Ready.R:
                     self.count += 1
         except StopIteration as stop:
             return stop.value
 
     def __exit__(self, *exc: Any) -> None:
         del self.conn.wait
+
+
+class Sent:
+    """The statements Django sends on this thread's connection (`with connection.
+    execute_wrapper(sent):`), each with whether it went in a psycopg pipeline (sent with the
+    others around it, their answers read in one round trip) or alone (a round trip of its
+    own). psycopg's BEGIN and the COMMIT are not among them."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, bool]] = []
+
+    def __call__(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        pgconn = context["connection"].connection.pgconn
+        piped = pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+        self.statements.append((sql, piped))
+        return execute(sql, params, many, context)
+
+    @property
+    def piped(self) -> list[bool]:
+        return [piped for _sql, piped in self.statements]
 
 
 class HoldFirst:

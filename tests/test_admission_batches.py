@@ -22,7 +22,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from chatcore.common.errors import NotFound, RateLimited
-from chatcore.engine import admission
+from chatcore.engine import admission, admission_batch
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.sessions import SessionStates
@@ -30,8 +30,8 @@ from sessions_app import services
 from sessions_app.models import Message, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
-    Exchanges,
     HoldFirst,
+    Sent,
     history,
     make_dialog,
     send,
@@ -41,10 +41,11 @@ from tests.fakemodel import Reply, echo_reply, strip_runtime
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
 
-# The batch's lock of its dialogs' rows (`admission._lock_many`), as its statement reads.
+# The batch's lock of its dialogs' rows (`admission_lock.lock_many`), as its statement reads.
 BATCH_LOCK = 'WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE SKIP'
 
-# A single admission's lock of its dialog's and its sender's rows (`admission.lock_for_admission`).
+# A single admission's lock of its dialog's and its sender's rows
+# (`admission_lock.lock_for_admission`).
 SINGLE_LOCK = "FOR UPDATE OF s, u"
 
 
@@ -61,7 +62,7 @@ def _dialogs(make_user: Any, count: int) -> list[Session]:
     return out
 
 
-def _admission(session: Session, content: str, **kw: Any) -> admission.Admission:
+def _admission(session: Session, content: str, **kw: Any) -> admission_batch.Admission:
     inbound = Inbound(
         owner=session.owner,
         channel="web",
@@ -69,24 +70,29 @@ def _admission(session: Session, content: str, **kw: Any) -> admission.Admission
         content=content,
         sender_id=str(session.owner_id),
     )
-    return admission.Admission(inbound, session, "this-process", **kw)
+    return admission_batch.Admission(inbound, session, "this-process", **kw)
 
 
-def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
+def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_a_round_trip_each(
     make_user: Any,
 ) -> None:
     # covers: G6, C1, C3, G2 (every dialog's and sender's rows locked and counted in one
-    # round trip, every turn, user message and lease written with the one COMMIT)
+    # round trip; each turn, its user message and lease in one statement; psycopg's BEGIN
+    # and the one COMMIT)
     dialogs = _dialogs(make_user, 5)
     started_seen: list[str] = []
     batch = [
         _admission(s, f"hello {i}", on_started=lambda st: started_seen.append(str(st.turn.pk)))
         for i, s in enumerate(dialogs)
     ]
-    connection.ensure_connection()
-    with Exchanges(connection.connection) as exchanges:
-        outcomes = admission.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
-    assert exchanges.count == 2
+    sent = Sent()
+    with connection.execute_wrapper(sent):
+        outcomes = admission_batch.admit_and_start_many(
+            batch, cfg=settings.CHAT, states=SessionStates()
+        )
+    # The two locks and a count per dialog, together; then one statement per started turn.
+    assert sent.piped == [True] * (2 + len(batch)) + [False] * len(batch)
+    assert all(sql.startswith("WITH ") for sql, _piped in sent.statements[2 + len(batch) :])
     for i, (session, outcome) in enumerate(zip(dialogs, outcomes, strict=True)):
         assert isinstance(outcome, tuple), outcome
         ack, started = outcome
@@ -115,7 +121,7 @@ def test_a_batch_records_its_user_messages_in_the_history_this_process_holds(
     states = SessionStates()
     for session in dialogs:
         assert [m.seq for m in states.history(session)] == [1]  # the welcome (B2)
-    outcomes = admission.admit_and_start_many(
+    outcomes = admission_batch.admit_and_start_many(
         [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
         cfg=settings.CHAT,
         states=states,
@@ -135,13 +141,13 @@ def test_a_batch_leaves_a_busy_dialog_and_a_deleted_one_to_their_own_admissions(
     # covers: C1, C2 (a busy dialog's send queues behind its running turn; a deleted dialog's
     # is refused; neither is written by the batch, and the others start)
     idle, busy, gone = _dialogs(make_user, 3)
-    first = admission.admit_and_start_many(
+    first = admission_batch.admit_and_start_many(
         [_admission(busy, "running")], cfg=settings.CHAT, states=SessionStates()
     )[0]
     assert isinstance(first, tuple)
     Session.objects.filter(pk=gone.pk).update(deleted_at=timezone.now())
 
-    outcomes = admission.admit_and_start_many(
+    outcomes = admission_batch.admit_and_start_many(
         [_admission(idle, "hi"), _admission(busy, "next"), _admission(gone, "lost")],
         cfg=settings.CHAT,
         states=SessionStates(),
@@ -195,7 +201,7 @@ def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_o
     holder.start()
     try:
         assert locked.wait(10)
-        outcomes = admission.admit_and_start_many(
+        outcomes = admission_batch.admit_and_start_many(
             [
                 _admission(s, f"hello {i}")
                 for i, s in enumerate([first, dialog_held, sender_held, last])
@@ -232,7 +238,7 @@ def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(
         assert all(charge is not None for charge in charges)
         charges[1].send()  # type: ignore[union-attr]
         charges[1].wait()  # type: ignore[union-attr]
-        outcomes = admission.admit_and_start_many(
+        outcomes = admission_batch.admit_and_start_many(
             [
                 _admission(first, "one", charge=charges[0]),
                 _admission(refused, "two", charge=charges[2]),
@@ -265,7 +271,7 @@ def test_a_batch_whose_writes_fail_leaves_nothing_and_each_send_goes_alone(
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(fail_the_second):
-        outcomes = admission.admit_and_start_many(
+        outcomes = admission_batch.admit_and_start_many(
             [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
             cfg=settings.CHAT,
             states=SessionStates(),

@@ -416,9 +416,9 @@ async def test_an_admission_goes_on_when_its_charge_is_back_however_busy_the_loo
     import time
     import uuid
 
-    from chatcore.engine import admission
+    from chatcore.engine import admission_lock
 
-    real_lock = admission.lock_for_admission
+    real_lock = admission_lock.lock_for_admission
     admitting, charge_may_go = threading.Event(), threading.Event()
 
     def lock(*args: Any, **kwargs: Any) -> Any:
@@ -427,7 +427,7 @@ async def test_an_admission_goes_on_when_its_charge_is_back_however_busy_the_loo
         return found
 
     counts_held(monkeypatch, lambda: charge_may_go.wait(10))
-    monkeypatch.setattr(admission, "lock_for_admission", lock)
+    monkeypatch.setattr(admission_lock, "lock_for_admission", lock)
     backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
     with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
         async with engine_with(make_engine) as engine:

@@ -4,10 +4,12 @@ capacity, expiry), only without sweeping everything at every message."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 
 import pytest
 from channels.exceptions import ChannelFull
-from channels.layers import get_channel_layer
+from channels.layers import InMemoryChannelLayer, get_channel_layer
 
 from chatcore.common import memlayer
 from chatcore.common.memlayer import LocalChannelLayer
@@ -87,3 +89,29 @@ async def test_unread_messages_expire_and_their_channel_leaves_its_groups(
     assert dead not in layer.groups["g"]
     assert (await layer.receive(live))["type"] == "new"
     assert dead not in layer.channels
+
+
+async def test_the_parts_of_channels_it_builds_on_are_as_measured() -> None:
+    # covers: I2 (measured against channels 4.3.2: the layer keeps its own inboxes in the
+    # base's `channels`, and reads and writes the base's `groups` as {group: {channel: the
+    # time it joined}}, which the base's `group_add`, `group_discard` and `flush` use; an
+    # upgrade that changes them fails here)
+    stock = InMemoryChannelLayer(expiry=60, capacity=5)
+    channel = await stock.new_channel()
+    before = time.time()
+    await stock.group_add("g", channel)
+    assert list(stock.groups["g"]) == [channel]
+    assert before <= stock.groups["g"][channel] <= time.time()
+    await stock.group_discard("g", channel)
+    assert "g" not in stock.groups
+    assert list(inspect.signature(InMemoryChannelLayer.flush).parameters) == ["self"]
+
+    ours = LocalChannelLayer(expiry=60, capacity=5)
+    mine = await ours.new_channel()
+    await ours.group_add_many(["g", "h"], mine)
+    await ours.group_discard("g", mine)  # the base's own, on the memberships ours wrote
+    assert "g" not in ours.groups and list(ours.groups["h"]) == [mine]
+    await ours.send(mine, {"type": "a"})
+    assert isinstance(ours.channels[mine], memlayer.Inbox) and ours.channels[mine].maxsize == 5
+    await ours.flush()
+    assert ours.channels == {} and ours.groups == {}

@@ -18,7 +18,7 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 
 from chatcore.common import publish
-from chatcore.engine import admission, queue
+from chatcore.engine import admission_batch, after_turn, queue
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.lease import LeaseLost
@@ -34,8 +34,8 @@ from sessions_app import services
 from sessions_app.models import Message, MessageKind, Session, Turn, TurnStatus
 from tests.conftest import require_postgresql
 from tests.engine_helpers import (
-    Exchanges,
     HoldFirst,
+    Sent,
     chat_group_of,
     gated_answers,
     history,
@@ -70,8 +70,8 @@ def _started(make_user: Any, count: int) -> list[queue.Started]:
             content=f"question {i}",
             sender_id=str(session.owner_id),
         )
-        outcome = admission.admit_and_start_many(
-            [admission.Admission(inbound, session, "this-process")],
+        outcome = admission_batch.admit_and_start_many(
+            [admission_batch.Admission(inbound, session, "this-process")],
             cfg=settings.CHAT,
             states=SessionStates(),
         )[0]
@@ -92,8 +92,8 @@ def _commit_many(endings: list[Ending], states: SessionStates) -> list[Any]:
     return commit_outcomes(
         endings,
         states=states,
-        after=lambda e: queue.after_turn_statement(e.turn, e.fence),
-        read_after=lambda e, row: queue.after_turn_of(row, e.fence),
+        after=lambda e: after_turn.after_turn_statement(e.turn, e.fence),
+        read_after=lambda e, row: after_turn.after_turn_of(row, e.fence),
     )
 
 
@@ -104,24 +104,25 @@ def _answers(session_pk: str) -> list[tuple[int, str]]:
     ]
 
 
-def test_a_batch_of_turn_ends_commits_every_answer_in_three_round_trips(
+def test_a_batch_of_turn_ends_commits_every_answer_in_two_round_trips_and_its_commit(
     make_user: Any, django_assert_num_queries: Any
 ) -> None:
     # covers: G6, C9, A3, A4 (the rows locked in one round trip; every turn's messages, row
-    # update, end and after-turn read in a second; the COMMIT the third; each answer in its
-    # dialog's history held here)
+    # update and end as one statement, and its after-turn read, all in one more; psycopg's
+    # BEGIN and the COMMIT; each answer in its dialog's history held here)
     started = _started(make_user, 5)
     states = SessionStates()
     for st in started:  # the dialogs' histories, held here through their user messages
         assert len(states.history(Session.objects.get(pk=st.session.pk))) == 2
-    connection.ensure_connection()
-    with Exchanges(connection.connection) as exchanges:
+    sent = Sent()
+    with connection.execute_wrapper(sent):
         results = _commit_many([_ending(s, f"answer {i}") for i, s in enumerate(started)], states)
-    assert exchanges.count == 3
+    assert sent.piped == [False] + [True] * 2 * len(started)
+    assert all(sql.startswith("WITH ") for sql, _piped in sent.statements[1::2])
     for i, (st, result) in enumerate(zip(started, results, strict=True)):
         assert isinstance(result, CommitResult), result
         assert (result.status, result.error) == (TurnStatus.COMPLETED, None)
-        assert result.after == queue.AfterTurn(staged=False, queued=False, party_waiting=False)
+        assert result.after == after_turn.AfterTurn(staged=False, queued=False, party_waiting=False)
         turn = Turn.objects.get(pk=st.turn.pk)
         assert (turn.status, turn.usage) == (TurnStatus.COMPLETED, {"completion_tokens": 3})
         live = Session.objects.get(pk=st.session.pk)

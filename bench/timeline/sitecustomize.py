@@ -63,29 +63,39 @@ if os.environ.get("SEND_TIMELINE"):
 
     def _install() -> None:
         import httpx
+        from django.db.backends.postgresql import base as pg
 
         from chatcore.common import dbthreads
-        from chatcore.engine import admission, engine, limits, provider_net, snapshots, worker
+        from chatcore.engine import (
+            admission,
+            admission_batch,
+            admission_lock,
+            engine,
+            limits,
+            provider_net,
+            snapshots,
+            turn_run,
+            worker,
+        )
         from chatcore.engine.turns import runner
-        from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
 
         steps: list[tuple[Any, str, str]] = [
             (consumers.ChatConsumer, "receive", "frame received"),
             (engine.Engine, "submit", "submit"),
             (admission, "admit_and_start", "admission"),
-            (admission, "lock_for_admission", "locked row and counts"),
-            (admission, "_start_locked", "turn started in the admission"),
+            (admission_lock, "lock_for_admission", "locked row and counts"),
+            (admission, "start_locked", "turn started in the admission"),
+            (admission_batch, "start_locked", "turn started in the admission"),
             (limits.PendingCharge, "wait", "send-rate charge read"),
-            (pg.DatabaseWrapper, "_commit", "COMMIT"),
-            (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
+            (pg.DatabaseWrapper, "commit", "COMMIT"),
             (worker.Workers, "open_first_request", "first request opened"),
             (provider_net._Connection, "write", "model socket write"),
             (provider_net._Connection, "read", "model socket read"),
             (engine.Engine, "_prepare_early", "input built beside"),
             (worker.Workers, "start_claimed", "worker started"),
             (worker.Workers, "hand_off", "handed to the worker"),
-            (worker.Workers, "_run_turn", "turn run"),
+            (turn_run.TurnRuns, "run", "turn run"),
             (runner.TurnRunner, "_one_request", "model step"),
             (httpx.AsyncClient, "send", "model request"),
             (snapshots, "send_snapshot", "snapshot published"),

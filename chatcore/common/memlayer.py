@@ -1,19 +1,20 @@
 """The embedded mode's channel layer: Channels' in-memory layer without its per-message sweeps.
 
-`channels.layers.InMemoryChannelLayer` walks every channel and every group membership of the
-process at each `group_send` and each `receive` (expiry cleanup), starts a task per recipient
-and deep-copies the message for each. With a hundred sockets streaming snapshots that walk is
-most of the event loop's time. This layer keeps the same behaviour (same capacity, same expiry
-of unread messages and of group memberships, each recipient its own copy of the message) and
-does the cleanup at most once per `CLEAN_INTERVAL_SECONDS`: expiry is counted in a minute
-(messages) and a day (memberships), so sweeping once a second changes nothing a client sees.
+`channels.layers.InMemoryChannelLayer` (measured against channels 4.3.2) sweeps every channel
+and group membership for expired entries at each `group_send` and each `receive`, and starts a
+task per recipient of a group message. Here the sweep runs at most once per
+`CLEAN_INTERVAL_SECONDS` (expiry is counted in a minute for messages and a day for
+memberships, so no client sees the difference) and a group message goes straight into each
+member's inbox, each its own copy; capacity and expiry are the base's. Beside the stock layer
+at 100 streams it halves the CPU per stream (`bench/notes/others.md`). It shares the base's
+`groups` (a channel's join time per group) and `channels`, whose values are its own:
+`tests/test_memlayer.py` fails if an upgrade changes what it builds on (SPEC I2).
 
-A member whose channel is full (a connection that stopped reading: `capacity` messages behind)
-misses a group message, as in Channels; here each miss is counted (`dropped`) and logged, at
-most once per `DROP_LOG_INTERVAL_SECONDS` with the count since the last line, so an operator
-sees it and the log is not flooded. The client that missed a snapshot tail sees a gap in the
-next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that missed a
-history delta sees a gap in the revisions and asks for the history (D3).
+A member whose channel is full (a connection `capacity` messages behind) misses a group
+message, as in Channels; each miss is counted (`dropped`, shown by `/healthz`) and logged, at
+most once per `DROP_LOG_INTERVAL_SECONDS`. The client that missed a snapshot tail sees a gap
+in the next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that
+missed a history delta sees a gap in the revisions and asks for the history (D3).
 
 A connection joins and leaves its groups in one call (`group_add_many`, `group_discard_many`),
 and the process's caches of what connections are sent hear every group message as it is sent
@@ -21,8 +22,9 @@ and the process's caches of what connections are sent hear every group message a
 
 A channel's unread messages wait in an `Inbox`, not an `asyncio.Queue`: every open socket's
 reader waits on its channel all its life, and a queue (four deques, an event) cost an idle
-socket 3 KiB, more than the rest of its own state (issue 57). The inbox keeps the queue's
-behaviour here (first in, first out, a capacity, one reader at a time woken per message).
+socket 3 KiB, more than the rest of its own state (issue 57; measured beside it:
+`bench/notes/reconnect.md`). The inbox keeps the queue's behaviour here (first in, first out,
+a capacity, one reader at a time woken per message).
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class LocalChannelLayer(InMemoryChannelLayer):
         for channel, inbox in list(self.channels.items()):
             while not inbox.empty() and inbox.items is not None and inbox.items[0][0] < wall:
                 inbox.get_nowait()
-                self._remove_from_groups(channel)
+                for members in self.groups.values():  # a reader that is gone leaves its groups
+                    members.pop(channel, None)
                 if inbox.empty():
                     self.channels.pop(channel, None)
         timeout = int(wall) - self.group_expiry

@@ -34,10 +34,10 @@ from django.db import connection, transaction
 
 from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
-from sessions_app import rows, storage
+from sessions_app import storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
-from . import admission, control, limits, queue, snapshots
+from . import admission, admission_batch, control, limits, queue, snapshots, turn_controls
 from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
@@ -116,16 +116,20 @@ class Engine:
         # PostgreSQL each has its own trip, and those of different dialogs run side by side.
         self.writes = Lane("writes") if connection.vendor == "sqlite" else None
         # G6: there, sends that come faster than their admissions finish are admitted
-        # together, a transaction per batch (`admission.admit_and_start_many`): in a burst of a
-        # hundred sends, the CPU of a transaction each (statements, hops, a COMMIT, under
-        # the one interpreter lock) is what the last first token waits for, and together it
-        # is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
+        # together, a transaction per batch (`admission_batch.admit_and_start_many`): in a
+        # burst of a hundred sends, the CPU of a transaction each (statements, hops, a COMMIT,
+        # under the one interpreter lock) is what the last first token waits for, and together
+        # it is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
         # the order they came (C1), and a batch starts at most one send of each sender (its
         # F7 counts are read once per batch); at shutdown a waiting send is refused.
-        self.admissions: Gathered[admission.Admission, tuple[Ack, queue.Started | None]] | None = (
+        self.admissions: (
+            Gathered[admission_batch.Admission, tuple[Ack, queue.Started | None]] | None
+        ) = (
             Gathered(
                 "admissions",
-                functools.partial(admission.admit_and_start_many, cfg=self.cfg, states=self.states),
+                functools.partial(
+                    admission_batch.admit_and_start_many, cfg=self.cfg, states=self.states
+                ),
                 spawn=self.supervisor.spawn,
                 alone_limit=max(1, dbthreads.thread_count() // 3),
                 key=lambda send: str(send.session.pk),
@@ -259,21 +263,13 @@ class Engine:
 
         def build_beside(started: queue.Started) -> None:
             # G6: the turn's input is built from that context, on another database thread,
-            # while the admission waits for its COMMIT's round trip, and its model request
-            # goes out as soon as both are done. Ahead of the admissions still waiting (a
-            # burst's first turns do not wait for its last admission).
+            # while the admission finishes and commits, and its model request goes out as
+            # soon as both are done.
             if started.context is None:
                 return
-
-            def build() -> None:
-                started.prepared = start_on_db(
-                    functools.partial(self._prepare_early, started, committed=False), first=True
-                )
-
-            # Handed over once the COMMIT is on its way: the build runs while the admission
-            # waits for the server. Handed over before, it took the interpreter lock from the
-            # admission between the COMMIT's own steps, whose round trip then waited for it.
-            rows.when_commit_sent(build)
+            started.prepared = start_on_db(
+                functools.partial(self._prepare_early, started, committed=False)
+            )
             transaction.on_commit(functools.partial(open_when_built, started), robust=True)
 
         def build_once_committed(started: queue.Started) -> None:
@@ -286,7 +282,7 @@ class Engine:
             # 319 ms), the requests' loop work ahead of the admissions still to come.
             def start() -> None:
                 started.prepared = start_on_db(
-                    functools.partial(self._prepare_early, started, committed=True), first=True
+                    functools.partial(self._prepare_early, started, committed=True)
                 )
 
             transaction.on_commit(start, robust=True)
@@ -323,7 +319,7 @@ class Engine:
             and inbound.accept is None
             and inbound.mode in ("send", "steer")
         ):
-            send = admission.Admission(
+            send = admission_batch.Admission(
                 inbound,
                 session,
                 start_as,
@@ -387,7 +383,7 @@ class Engine:
     async def stop(self, session: Session) -> StopResult:
         """Abort the running turn at once, drop unstarted sends and staged steers."""
         running, dropped = await storage.astorage_retry(
-            lambda: queue.stop(session), what="stop", session=session
+            lambda: turn_controls.stop(session), what="stop", session=session
         )
         for turn in dropped:
             await publish.apublish(
@@ -416,11 +412,12 @@ class Engine:
             )
 
     async def retry(self, session: Session, *, owner: User, client_msg_id: str = "") -> Ack:
-        """C6: re-run the last failed or cancelled turn as a new turn (`queue.enqueue_retry`).
-        A retry starts model work, so it is charged to the send rate (F7)."""
+        """C6: re-run the last failed or cancelled turn as a new turn
+        (`turn_controls.enqueue_retry`). A retry starts model work, so it is charged to the send
+        rate (F7)."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_retry(
+            lambda: turn_controls.enqueue_retry(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="retry",
@@ -438,7 +435,7 @@ class Engine:
         clients join them. Charged to the send rate like a send."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_continue(
+            lambda: turn_controls.enqueue_continue(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="continue",

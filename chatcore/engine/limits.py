@@ -200,7 +200,7 @@ class PendingCharge:
     """A send-rate charge made by the send's admitting transaction on its own database thread
     (`charge_beside`), beside its first round trip to the database: `send()` writes the
     count to Redis once the transaction's first statements are on their way (the dialog's
-    lock, `admission.lock_for_admission`), `wait()` just before the COMMIT reads it, by then
+    lock, `admission_lock.lock_for_admission`), `wait()` just before the COMMIT reads it, by then
     back in the socket, and a refusal raises there, so the transaction rolls back and the
     send changes nothing, as if it had been refused first. No thread of its own and no trip
     through the event loop: the admission waits for nothing but its own two round trips,
@@ -416,7 +416,7 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
 
 def waiting_elsewhere(turn: Turn) -> tuple[str, list[Any]]:
     """After `turn` ended, as a boolean SQL expression (for a statement the after-turn step
-    runs anyway, `queue.after_turn_read`): whether another dialog of its party waits for a
+    runs anyway, `after_turn.after_turn_read`): whether another dialog of its party waits for a
     slot (queued turns, none running). Only then is `waiting_dialogs` worth its query; a
     party rarely has one, so most turns end without it."""
     session = turn.session

@@ -213,6 +213,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # --- Channels and Celery --------------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
 SCALED = bool(REDIS_URL)
+# I3: every redis-py client of the platform (the channel layer's, the rate counters', the
+# socket registry's, the cache's) waits at most this long to connect and for each reply: a
+# stalled Redis answers "no" within seconds instead of holding its callers. A URL's own
+# options (`?socket_timeout=...`) win over these.
+REDIS_TIMEOUT_SECONDS = float(os.environ.get("CHAT_REDIS_TIMEOUT_SECONDS") or 2.0)
+REDIS_OPTIONS: dict[str, Any] = {
+    "socket_timeout": REDIS_TIMEOUT_SECONDS,
+    "socket_connect_timeout": REDIS_TIMEOUT_SECONDS,
+    "socket_keepalive": True,
+}
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
@@ -231,7 +241,11 @@ else:
 # Rate-limit counters must be shared by every process in scaled mode (F3).
 if REDIS_URL:
     CACHES = {
-        "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": REDIS_OPTIONS,
+        }
     }
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}

@@ -65,7 +65,7 @@ if os.environ.get("SEND_TIMELINE"):
         import httpx
 
         from chatcore.common import dbthreads
-        from chatcore.engine import admission, engine, limits, provider_net, snapshots, worker
+        from chatcore.engine import admission, engine, provider_net, rates, snapshots, worker
         from chatcore.engine.turns import runner
         from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
@@ -76,7 +76,7 @@ if os.environ.get("SEND_TIMELINE"):
             (admission, "admit_and_start", "admission"),
             (admission, "lock_for_admission", "locked row and counts"),
             (admission, "_start_locked", "turn started in the admission"),
-            (limits.PendingCharge, "wait", "send-rate charge read"),
+            (rates, "acharge", "send-rate charge"),
             (pg.DatabaseWrapper, "_commit", "COMMIT"),
             (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
             (worker.Workers, "open_first_request", "first request opened"),

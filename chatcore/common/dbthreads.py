@@ -257,7 +257,7 @@ class Batch(Generic[I, R]):
     trip as soon as one is back, one result per item, in order; its error is every item's.
     For work whose per-call cost dwarfs the per-item one (a round trip to a cache server): a
     burst of calls costs a few trips, not one each (the send-rate charges made from the
-    loop, `limits.acharge`). Its trips never wait for a database thread, nor for the event
+    loop, `rates.acharge`). Its trips never wait for a database thread, nor for the event
     loop: `start` hands back the trip thread's own future, which a database thread may wait
     on, and which is settled the moment the trip is back, however busy the loop is."""
 

@@ -73,7 +73,6 @@ def lock_for_admission(
     *,
     slot: tuple[str, str, Any] | None = None,
     context: selectors.TurnContextStatement | None = None,
-    alongside: Callable[[], None] | None = None,
 ) -> tuple[Session, QueueState]:
     """`queue.lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
     finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
@@ -97,8 +96,7 @@ def lock_for_admission(
     before the lock, so a long dialog's read holds no lock another send waits for (its
     sender's row: the sender's other dialogs, F7); what commits between it and the lock
     shows in the row's revision, and the build then reads anew
-    (`builder.admitted_context`). `alongside`: run once these statements are on their way,
-    while the server works on them (the send-rate charge's write, `limits.PendingCharge`)."""
+    (`builder.admitted_context`)."""
     counts, count_params = _count_columns(session_pk, owner_id, slot)
     read = None
     with rows.cursor() as cursor:
@@ -118,16 +116,12 @@ def lock_for_admission(
                     # own snapshot): no row when the dialog is gone.
                     sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                     counting.execute(sql, [*count_params, session_pk])
-                    if alongside is not None:
-                        alongside()  # the statements are sent: they run meanwhile
                 found = cursor.fetchone()
                 if found is not None:
                     row = (*found, *counting.fetchone())
                     if context is not None:
                         read = context.result(reading.fetchall())
         else:
-            if alongside is not None:
-                alongside()
             cursor.execute(
                 f"SELECT {rows.columns(Session, 's')}, {counts} FROM {_LIVE}",  # noqa: S608
                 [*count_params, session_pk],
@@ -261,7 +255,6 @@ def admit_and_start(
     states: SessionStates,
     start_as: str | None,
     held: Lease | None = None,
-    charge: limits.PendingCharge | None = None,
     on_started: Callable[[Started], None] | None = None,
     context_chars: int | None = None,
 ) -> tuple[Ack, Started | None]:
@@ -282,10 +275,8 @@ def admit_and_start(
     `context_chars`), sent together; then the last three writes as one statement
     (`rows.merged`), sent with the COMMIT.
 
-    `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis once the lock's
-    statements are on their way and read last inside the transaction, its refusal rolling
-    everything back. `on_started`: called with the started turn as soon as it is decided,
-    before that read and the COMMIT (the turn's input built meanwhile, `Engine.submit`); a
+    `on_started`: called with the started turn as soon as it is decided, before the COMMIT
+    (the turn's input built meanwhile, `Engine.submit`); a
     `Started` of an attempt that did not commit is never returned, so what was made for it
     goes unused. `context_chars`: for a send that may start its turn, the turn's context is
     read in the lock's round trip, its window `context_chars` characters at most
@@ -296,8 +287,6 @@ def admit_and_start(
             admitted = decide()
             if on_started is not None and admitted[2] is not None:
                 on_started(admitted[2])
-            if charge is not None:
-                charge.wait()
             return admitted
 
     def decide() -> tuple[Ack, services.Appended | None, Started | None]:
@@ -309,15 +298,7 @@ def admit_and_start(
             if may_start and context_chars is not None
             else None
         )
-        # The charge is written once the first statements are on their way: its round trip
-        # beside theirs.
-        live, state = lock_for_admission(
-            session.pk,
-            inbound.owner.pk,
-            slot=slot,
-            context=context,
-            alongside=charge.send if charge is not None else None,
-        )
+        live, state = lock_for_admission(session.pk, inbound.owner.pk, slot=slot, context=context)
         if inbound.accept is not None:
             inbound.accept()
         idle_send = inbound.mode in ("send", "steer") and not state.busy
@@ -336,11 +317,7 @@ def admit_and_start(
         ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
         return ack, appended, None
 
-    try:
-        ack, appended, started = storage.storage_retry(write, what="admit", session=session)
-    finally:
-        if charge is not None:
-            charge.settle()  # read, when the transaction ended before it was
+    ack, appended, started = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:
         states.apply_appended(appended)
     return ack, started
@@ -350,20 +327,18 @@ def admit_and_start(
 class Admission:
     """One send of a batch admitted together (`admit_and_start_many`): a send or steer that
     may start its turn under a new lease for `start_as` (no lingering worker's lease, no
-    chat app's `accept`). `charge`, `on_started` and `context_chars` as for
-    `admit_and_start`."""
+    chat app's `accept`). `on_started` and `context_chars` as for `admit_and_start`."""
 
     inbound: Inbound
     session: Session
     start_as: str
-    charge: limits.PendingCharge | None = None
     on_started: Callable[[Started], None] | None = None
     context_chars: int | None = None
 
 
-# `admit_and_start_many`'s outcome of one send: its ack and started turn, its own error, or
-# `ALONE` (it is admitted on its own, `admit_and_start`, after the batch).
-AdmissionOutcome = tuple[Ack, Started] | BaseException | object
+# `admit_and_start_many`'s outcome of one send: its ack and started turn, or `ALONE` (it is
+# admitted on its own, `admit_and_start`, after the batch).
+AdmissionOutcome = tuple[Ack, Started] | object
 
 
 def admit_and_start_many(
@@ -376,11 +351,11 @@ def admit_and_start_many(
 
     One round trip reads the sends' turn contexts, locks the dialogs' rows, then the
     senders' rows, skipping any row another transaction holds, and reads every dialog's queue
-    and F7 counts after those locks; the batch's send-rate charges go to Redis meanwhile. A
-    batch never waits for a lock, so it is never part of a circle of transactions waiting
-    on each other (a lease renewal locks many dialogs in the order it finds them, another
-    process's batch locks its own), and one contended row holds up no other send of the
-    batch: the send whose dialog or sender was skipped goes alone, and waits there. Then
+    and F7 counts after those locks. A batch never waits for a lock, so it is never part of
+    a circle of transactions waiting on each other (a lease renewal locks many dialogs in the
+    order it finds them, another process's batch locks its own), and one contended row holds
+    up no other send of the batch: the send whose dialog or sender was skipped goes alone,
+    and waits there. Then
     each started turn's writes are its one statement (`rows.merged`), all held to go with
     the COMMIT.
 
@@ -388,22 +363,19 @@ def admit_and_start_many(
     gone, a lease live elsewhere, inputs staged, no free slot, a full queue) is left alone
     (`ALONE`): the
     caller admits it on its own after this transaction, which refuses or queues it exactly
-    as for any send. A refused send-rate charge is that send's error, and the others go on;
-    an error of the transaction itself leaves every send to go alone (with its retries)."""
+    as for any send. An error of the transaction itself leaves every send to go alone (with
+    its retries)."""
     outcomes: list[AdmissionOutcome] = [ALONE] * len(batch)
 
     def write() -> list[tuple[int, Ack, Started]]:
         done: list[tuple[int, Ack, Started]] = []
         with transaction.atomic():
             confirmed = time.monotonic()
-            # The batch's charges in one write, their round trip beside the locks'.
-            found = _lock_many(batch, alongside=lambda: limits.send_together(charges))
+            found = _lock_many(batch)
             for i, admission in enumerate(batch):
                 # Its writes one statement (`rows.merged`), held to go with the COMMIT.
                 started = _start_one(admission, found, cfg=cfg, confirmed=confirmed)
-                if isinstance(started, Exception):
-                    outcomes[i] = started
-                elif started is not None:
+                if started is not None:
                     ack = Ack(
                         started.session,
                         str(started.turn.pk),
@@ -417,16 +389,12 @@ def admit_and_start_many(
                     batch[i].on_started(started)  # type: ignore[misc]
         return done
 
-    charges = [a.charge for a in batch if a.charge is not None]
     try:
         done = write()
     except DatabaseError as exc:
         # Rolled back: nothing of it stays, and each send is admitted on its own.
         logger.warning("a batch of %d admissions failed; each goes alone: %s", len(batch), exc)
         return outcomes
-    finally:
-        for charge in charges:
-            charge.settle()  # read, for those the batch did not get to
     for i, ack, started in done:
         if started.appended is not None:
             # Its user message, in the history this process holds (A4: once committed), as
@@ -444,22 +412,15 @@ def _start_one(
     *,
     cfg: dict[str, Any],
     confirmed: float,
-) -> Started | Exception | None:
-    """`admit_and_start_many`'s start of one send on its locked row: the started turn, the
-    send's refused charge, or None (it goes alone)."""
+) -> Started | None:
+    """`admit_and_start_many`'s start of one send on its locked row: the started turn, or
+    None (it goes alone)."""
     got = found.get(str(admission.session.pk))
     if got is None:
         return None  # gone: refused on its own (NotFound)
     live, state = got
     if state.busy or state.staged:
         return None
-    if admission.charge is not None:
-        try:
-            # Before its writes (a refusal leaves nothing of it behind); written with the
-            # batch's first statements, so it is back by now.
-            admission.charge.wait()
-        except Exception as exc:  # noqa: BLE001 (the send's own refusal or error)
-            return exc
     try:
         return _start_locked(
             admission.inbound,
@@ -473,9 +434,7 @@ def _start_one(
         return None  # refused on its own, as any send
 
 
-def _lock_many(
-    batch: list[Admission], *, alongside: Callable[[], None] | None = None
-) -> dict[str, tuple[Session, QueueState]]:
+def _lock_many(batch: list[Admission]) -> dict[str, tuple[Session, QueueState]]:
     """`lock_for_admission` for a batch (`admit_and_start_many`): the live dialogs' rows and
     counts (and the contexts of the sends that ask for one, read before the locks), by id,
     of the sends whose dialog and sender rows it locked; a dialog gone, or one
@@ -520,8 +479,6 @@ def _lock_many(
                 counts, params = _count_columns(session.pk, inbound.owner.pk, slot)
                 sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                 cursor.execute(sql, [*params, session.pk])
-            if alongside is not None:
-                alongside()  # the statements are sent: they run meanwhile
         locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
         owners_locked = {row[0] for row in owning.fetchall()}
         found = {}

@@ -264,7 +264,11 @@ CELERY_TASK_DEFAULT_QUEUE = "chat"
 # job to another worker after the visibility timeout, which must exceed it, or a job still
 # running would run twice.
 CELERY_LONGEST_TASK_SECONDS = 360
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_LONGEST_TASK_SECONDS + 240}
+# I3: a frozen broker fails a publish within Redis's timeout (kombu waits forever by default).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": CELERY_LONGEST_TASK_SECONDS + 240,
+    **REDIS_OPTIONS,
+}
 # G5: the broker connection comes back by itself after a Redis restart.
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None

@@ -1,6 +1,7 @@
 """A burst's admissions on PostgreSQL, alone against together: per send, the admitting
 thread's CPU and wall time for sends to idle dialogs admitted and started one transaction
-each (`admission.admit_and_start`) and a batch per transaction (`admission.admit_and_start_many`).
+each (`admission.admit_and_start`) and a batch per transaction
+(`admission_batch.admit_and_start_many`).
 
     .venv/bin/python bench/admission_bench.py \\
         --database-url postgres://postgres@127.0.0.1:5432/test [--sends 96] [--batch 32]
@@ -25,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import throwaway_database  # noqa: E402
+from bench.servers import throwaway_database  # noqa: E402
 
 
 def dialogs(count: int, tag: str) -> list[Any]:
@@ -70,13 +71,17 @@ def alone(sessions: list[Any]) -> tuple[float, float]:
 def together(sessions: list[Any], size: int) -> tuple[float, float]:
     from django.conf import settings
 
-    from chatcore.engine import admission
+    from chatcore.engine import admission_batch
     from chatcore.engine.sessions import SessionStates
 
     wall, cpu = time.perf_counter(), time.thread_time()
     for first in range(0, len(sessions), size):
-        batch = [admission.Admission(inbound(s), s, "b") for s in sessions[first : first + size]]
-        outcomes = admission.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
+        batch = [
+            admission_batch.Admission(inbound(s), s, "b") for s in sessions[first : first + size]
+        ]
+        outcomes = admission_batch.admit_and_start_many(
+            batch, cfg=settings.CHAT, states=SessionStates()
+        )
         assert all(isinstance(o, tuple) for o in outcomes), outcomes
     return time.perf_counter() - wall, time.thread_time() - cpu
 

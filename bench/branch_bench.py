@@ -32,7 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import in_process_database  # noqa: E402
+from bench.servers import in_process_database  # noqa: E402
 
 RUNS, SKIP = 45, 5
 

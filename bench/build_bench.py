@@ -1,5 +1,5 @@
 """A turn's first build against the dialog's length: the model input and its request body,
-walked in full or gone on from the dialog's last build (`builder._Carried`).
+walked in full or gone on from the dialog's last build (`turns.carried.Carried`).
 
     .venv/bin/python bench/build_bench.py [--lengths 100,1000,4000] [--turns 200]
 

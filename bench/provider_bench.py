@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import Model  # noqa: E402
+from bench.servers import Model  # noqa: E402
 
 
 async def measure(model: Model, content: str, streams: int, at_once: int) -> tuple[float, int]:

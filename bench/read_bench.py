@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import in_process_database  # noqa: E402
+from bench.servers import in_process_database  # noqa: E402
 
 RUNS, SKIP = 45, 5
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import in_process_database  # noqa: E402
+from bench.servers import in_process_database  # noqa: E402
 
 VOCABULARY = 5000
 # The 2,000 most common Chinese characters stand in for a CJK vocabulary: a contiguous block

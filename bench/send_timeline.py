@@ -45,13 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_bench import (  # noqa: E402
-    Model,
-    platform_env,
-    run_clients,
-    scaled_env,
-    start_platform,
-)
+from bench.clients import run_clients  # noqa: E402
+from bench.servers import Model, platform_env, scaled_env, start_platform  # noqa: E402
 
 
 def main(args: argparse.Namespace) -> None:

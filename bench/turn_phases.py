@@ -170,7 +170,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(ns.code_root).resolve()))
     database_url, drop = "", None
     if ns.database_url:
-        from bench.compare_bench import throwaway_database
+        from bench.servers import throwaway_database
 
         database_url, drop = throwaway_database(ns.database_url)
     os.environ.update(

@@ -229,10 +229,10 @@ def turn_context(
     - the owner's `notes_limit` newest memory notes, oldest first (C8).
 
     `ahead`: read before a message of that many characters is appended (a send's turn
-    context, read by its admission with the dialog's row locked, `admission.lock_for_admission`):
-    the window is the one that message's append will give, and the dialog's `last_seq` and
-    `state_version` come along (`revision`), for the reader to check that nothing else
-    changed meanwhile."""
+    context, read by its admission with the dialog's row locked,
+    `admission_lock.lock_for_admission`): the window is the one that message's append will
+    give, and the dialog's `last_seq` and `state_version` come along (`revision`), for the
+    reader to check that nothing else changed meanwhile."""
     statement = TurnContextStatement(
         session_pk=session_pk,
         owner_id=owner_id,
@@ -305,7 +305,7 @@ _TURN_CONTEXT_AT = tuple(
 
 class TurnContextStatement:
     """`turn_context`'s statement, for a caller that sends it with others in one round trip
-    (`admission.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
+    (`admission_lock.lock_for_admission`): `sql` and `params` to execute, `result` of its rows.
 
     The parts are told apart by the first column; all of them use the compaction's columns
     (the window's boundary in `through_seq`, a note in `summary` and `created_at`), so every

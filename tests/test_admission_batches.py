@@ -20,7 +20,7 @@ from django.db import OperationalError, connection, connections, transaction
 from django.utils import timezone
 
 from chatcore.common.errors import NotFound
-from chatcore.engine import admission
+from chatcore.engine import admission, admission_batch
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.sessions import SessionStates
@@ -39,10 +39,11 @@ from tests.fakemodel import Reply, echo_reply, strip_runtime
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
 
-# The batch's lock of its dialogs' rows (`admission._lock_many`), as its statement reads.
+# The batch's lock of its dialogs' rows (`admission_lock.lock_many`), as its statement reads.
 BATCH_LOCK = 'WHERE s."id" = ANY(%s) AND s."deleted_at" IS NULL ORDER BY s."id" FOR UPDATE SKIP'
 
-# A single admission's lock of its dialog's and its sender's rows (`admission.lock_for_admission`).
+# A single admission's lock of its dialog's and its sender's rows
+# (`admission_lock.lock_for_admission`).
 SINGLE_LOCK = "FOR UPDATE OF s, u"
 
 
@@ -59,7 +60,7 @@ def _dialogs(make_user: Any, count: int) -> list[Session]:
     return out
 
 
-def _admission(session: Session, content: str, **kw: Any) -> admission.Admission:
+def _admission(session: Session, content: str, **kw: Any) -> admission_batch.Admission:
     inbound = Inbound(
         owner=session.owner,
         channel="web",
@@ -67,7 +68,7 @@ def _admission(session: Session, content: str, **kw: Any) -> admission.Admission
         content=content,
         sender_id=str(session.owner_id),
     )
-    return admission.Admission(inbound, session, "this-process", **kw)
+    return admission_batch.Admission(inbound, session, "this-process", **kw)
 
 
 def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
@@ -83,7 +84,9 @@ def test_a_batch_of_sends_to_idle_dialogs_starts_every_turn_in_two_round_trips(
     ]
     connection.ensure_connection()
     with Exchanges(connection.connection) as exchanges:
-        outcomes = admission.admit_and_start_many(batch, cfg=settings.CHAT, states=SessionStates())
+        outcomes = admission_batch.admit_and_start_many(
+            batch, cfg=settings.CHAT, states=SessionStates()
+        )
     assert exchanges.count == 2
     for i, (session, outcome) in enumerate(zip(dialogs, outcomes, strict=True)):
         assert isinstance(outcome, tuple), outcome
@@ -113,7 +116,7 @@ def test_a_batch_records_its_user_messages_in_the_history_this_process_holds(
     states = SessionStates()
     for session in dialogs:
         assert [m.seq for m in states.history(session)] == [1]  # the welcome (B2)
-    outcomes = admission.admit_and_start_many(
+    outcomes = admission_batch.admit_and_start_many(
         [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
         cfg=settings.CHAT,
         states=states,
@@ -133,13 +136,13 @@ def test_a_batch_leaves_a_busy_dialog_and_a_deleted_one_to_their_own_admissions(
     # covers: C1, C2 (a busy dialog's send queues behind its running turn; a deleted dialog's
     # is refused; neither is written by the batch, and the others start)
     idle, busy, gone = _dialogs(make_user, 3)
-    first = admission.admit_and_start_many(
+    first = admission_batch.admit_and_start_many(
         [_admission(busy, "running")], cfg=settings.CHAT, states=SessionStates()
     )[0]
     assert isinstance(first, tuple)
     Session.objects.filter(pk=gone.pk).update(deleted_at=timezone.now())
 
-    outcomes = admission.admit_and_start_many(
+    outcomes = admission_batch.admit_and_start_many(
         [_admission(idle, "hi"), _admission(busy, "next"), _admission(gone, "lost")],
         cfg=settings.CHAT,
         states=SessionStates(),
@@ -193,7 +196,7 @@ def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_o
     holder.start()
     try:
         assert locked.wait(10)
-        outcomes = admission.admit_and_start_many(
+        outcomes = admission_batch.admit_and_start_many(
             [
                 _admission(s, f"hello {i}")
                 for i, s in enumerate([first, dialog_held, sender_held, last])
@@ -225,7 +228,7 @@ def test_a_batch_whose_writes_fail_leaves_nothing_and_each_send_goes_alone(
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(fail_the_second):
-        outcomes = admission.admit_and_start_many(
+        outcomes = admission_batch.admit_and_start_many(
             [_admission(s, f"hello {i}") for i, s in enumerate(dialogs)],
             cfg=settings.CHAT,
             states=SessionStates(),

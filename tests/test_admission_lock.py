@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from django.db import connections, transaction
 
-from chatcore.engine import admission
+from chatcore.engine import admission_lock
 from sessions_app import services
 from sessions_app.models import Session, Turn, TurnStatus
 from tests.storage_helpers import create
@@ -48,7 +48,7 @@ def test_an_admission_that_waited_for_the_row_sees_the_turn_started_meanwhile(us
     def admit_beside() -> None:
         try:
             with transaction.atomic():
-                live, state = admission.lock_for_admission(session.pk, user.pk)
+                live, state = admission_lock.lock_for_admission(session.pk, user.pk)
                 seen.update(state=state, counter=live.turn_counter)
         finally:
             connections.close_all()

@@ -365,3 +365,37 @@ async def test_a_retry_and_a_continue_ask_the_dialogs_model(
     # The turns' requests (a title's, if one is asked meanwhile, keeps the default model).
     turns = [r for r in fake_model.requests if SYSTEM_PROMPT in r.purpose_system]
     assert [r.body["model"] for r in turns] == ["small-model"] * 3
+
+
+async def test_the_admin_offers_the_running_engines_models_and_without_one_the_settings(
+    engine: Any, fake_model: FakeModelServer, make_user: Any, user: Any, settings: Any
+) -> None:
+    # covers: H4 (the admin's model choices: this process's engine's catalog, which follows its
+    # provider's server; in a process without an engine, one made from the settings)
+    from asgiref.sync import sync_to_async
+    from django.test import Client
+    from django.urls import reverse
+
+    from chatcore.engine import runtime
+    from sessions_app import services
+
+    staff = await sync_to_async(make_user)("operator", staff=True)
+    session = await sync_to_async(services.session_create)(
+        owner=user, channel="web", chat_id=f"u{user.pk}", dialog_id="ops"
+    )
+    elsewhere = FakeModelServer().start()
+    elsewhere.models = ["settings-model"]
+    settings.LLM = {**settings.LLM, "BASE_URL": elsewhere.url, "MODEL": "settings-model"}
+
+    def choices() -> list[str]:
+        client = Client()
+        client.force_login(staff)
+        page = client.get(reverse("admin:sessions_app_session_change", args=[session.pk]))
+        return [value for value, _label in page.context["adminform"].form.fields["model"].choices]
+
+    try:
+        assert await sync_to_async(choices)() == ["", "fake", "big-model", "small-model"]
+        runtime.set_engine(None)
+        assert await sync_to_async(choices)() == ["", "settings-model"]
+    finally:
+        elsewhere.stop()

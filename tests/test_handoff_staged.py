@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.conf import settings
 
-from chatcore.engine import admission, queue
+from chatcore.engine import admission, after_turn, queue
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.sessions import SessionStates
 from chatcore.engine.turns.committer import CommitResult
@@ -81,7 +81,7 @@ def test_inputs_staged_for_a_running_turn_stay_staged_for_it(user: Any) -> None:
     )
     steer = _staged(session, "for the running turn")
     ended.session = session
-    queue.after_turn_staged(
+    after_turn.after_turn_staged(
         ended,
         CommitResult(TurnStatus.COMPLETED),
         held,

@@ -2,7 +2,7 @@
 transaction with a constant number of statements, for all the turns a process runs, and one
 fenced statement renewing all the leases it holds.
 
-The checkpoint pass is watched by wrapping `queue.checkpoint_all` (the real function runs):
+The checkpoint pass is watched by wrapping `recovery.checkpoint_all` (the real function runs):
 each call records the statements it ran on its own connection and what it found.
 """
 
@@ -21,7 +21,7 @@ from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from chatcore.engine import lease, queue
+from chatcore.engine import lease, queue, recovery, turn_controls
 from sessions_app.models import Message, Session, Turn, TurnStatus
 from tests.engine_helpers import chat_group_of, make_dialog, send
 from tests.fakemodel import Reply, user_texts
@@ -35,9 +35,9 @@ STATEMENTS_PER_PASS = 3
 
 @dataclass
 class Pass:
-    items: list[queue.Checkpoint]
+    items: list[recovery.Checkpoint]
     statements: list[str]
-    found: queue.CheckpointPass
+    found: recovery.CheckpointPass
 
 
 class PassLog:
@@ -45,9 +45,9 @@ class PassLog:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.passes: list[Pass] = []
-        real = queue.checkpoint_all
+        real = recovery.checkpoint_all
 
-        def counted(items: list[queue.Checkpoint]) -> queue.CheckpointPass:
+        def counted(items: list[recovery.Checkpoint]) -> recovery.CheckpointPass:
             with CaptureQueriesContext(connection) as ctx:
                 found = real(items)
             # Transaction control is not a statement of the pass (the transaction is one).
@@ -59,7 +59,7 @@ class PassLog:
             self.passes.append(Pass(list(items), statements, found))
             return found
 
-        monkeypatch.setattr(queue, "checkpoint_all", counted)
+        monkeypatch.setattr(recovery, "checkpoint_all", counted)
 
     async def until(self, pred: Any, what: str, timeout: float = 30.0) -> Pass:
         loop = asyncio.get_running_loop()
@@ -154,8 +154,8 @@ async def test_a_stop_requested_elsewhere_reaches_only_its_turn(
     engine, sessions, turn_ids = await run_many(make_engine, fake_model, user, settings)
     rec = await recorder(chat_group_of(sessions[0]))
     stopped = turn_ids[3]
-    # What a process that does not run the turn does for a stop (queue.request_cancel).
-    await sync_to_async(queue.request_cancel)(stopped)
+    # What a process that does not run the turn does for a stop (turn_controls.request_cancel).
+    await sync_to_async(turn_controls.request_cancel)(stopped)
     found = await log.until(lambda p: stopped in p.found.cancel, "that saw the stop")
     assert found.found.cancel == {stopped}
     assert (await rec.terminal(stopped))["status"] == "cancelled"
@@ -344,7 +344,7 @@ def test_the_sweep_finds_dialogs_with_work_and_no_live_lease_in_one_statement_wh
         session=running, owner=user, number=1, content="under way", status=TurnStatus.RUNNING
     )
     with CaptureQueriesContext(connection) as ctx:
-        assert queue.orphaned_sessions(scope=None, cfg=cfg) == []
+        assert recovery.orphaned_sessions(scope=None, cfg=cfg) == []
     assert len(ctx.captured_queries) == 1, [q["sql"] for q in ctx.captured_queries]
 
     # A queued turn whose dialog has no lease, and one whose lease ran out.
@@ -355,9 +355,9 @@ def test_the_sweep_finds_dialogs_with_work_and_no_live_lease_in_one_statement_wh
     Session.objects.filter(pk=expired.pk).update(
         lease_expires_at=timezone.now() - timedelta(seconds=1)
     )
-    found = queue.orphaned_sessions(scope=None, cfg=cfg)
+    found = recovery.orphaned_sessions(scope=None, cfg=cfg)
     assert sorted(found) == sorted([leaseless.pk, expired.pk])
     assert idle.pk not in found and running.pk not in found
     # A scope leaves out what is not this engine's to run.
-    scoped = queue.orphaned_sessions(scope=lambda qs: qs.filter(pk=expired.pk), cfg=cfg)
+    scoped = recovery.orphaned_sessions(scope=lambda qs: qs.filter(pk=expired.pk), cfg=cfg)
     assert scoped == [expired.pk]

@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 
 from chatcore.common.errors import NothingToContinue
 from chatcore.engine.provider_errors import classify_stream_error
-from chatcore.engine.turns.builder import CONTINUE_INSTRUCTION
+from chatcore.engine.turn_controls import CONTINUE_INSTRUCTION
 from chatcore.engine.turns.outcome import FailureKind, present_failure
 from sessions_app import services
 from sessions_app.models import MessageKind, Role

@@ -408,7 +408,7 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
     from asgiref.sync import sync_to_async
     from django.conf import settings as live
 
-    from chatcore.engine import admission, queue
+    from chatcore.engine import admission, after_turn, queue
     from chatcore.engine.ingress import Inbound
     from chatcore.engine.sessions import SessionStates
 
@@ -424,13 +424,13 @@ async def test_after_an_answer_one_read_tells_the_worker_there_is_nothing_to_cla
 
     monkeypatch.setattr(queue, "claim_next", spy_claim_next)
     looked: list[str] = []
-    waiting_dialogs = queue.waiting_dialogs
+    waiting_dialogs = after_turn.waiting_dialogs
 
     def spy_waiting_dialogs(turn: Any, **kwargs: Any) -> Any:
         looked.append(str(turn.pk))
         return waiting_dialogs(turn, **kwargs)
 
-    monkeypatch.setattr(queue, "waiting_dialogs", spy_waiting_dialogs)
+    monkeypatch.setattr(after_turn, "waiting_dialogs", spy_waiting_dialogs)
     rec = await recorder(chat_group_of(session))
     fake_model.script(Reply(text="first answer"))
     first = await send(engine, session, "one")
@@ -473,7 +473,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     # trip, ahead of its lock: its build reads nothing more; a compaction that lands before
     # the admission is in the model's input, and so is one that another transaction commits
     # while the admission's lock waits: the build sees the row's revision moved, reads anew)
-    from chatcore.engine import admission
+    from chatcore.engine import admission_lock
     from sessions_app import selectors, turn_services
     from sessions_app.models import Session
 
@@ -485,7 +485,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
     await engine.wait_idle(session.pk)
 
     reads: list[str] = []
-    real_read, real_lock = selectors.turn_context, admission.lock_for_admission
+    real_read, real_lock = selectors.turn_context, admission_lock.lock_for_admission
     before_lock = threading.Event()
     holding, go = threading.Event(), threading.Event()
 
@@ -527,7 +527,7 @@ async def test_a_sends_context_is_read_in_its_admission_and_sees_every_compactio
             connection.close()
 
     monkeypatch.setattr(selectors, "turn_context", read)
-    monkeypatch.setattr(admission, "lock_for_admission", lock)
+    monkeypatch.setattr(admission_lock, "lock_for_admission", lock)
 
     fake_model.script(Reply(text="second answer"))
     await send(engine, session, "two")

@@ -231,13 +231,13 @@ async def test_the_rest_of_a_burst_waits_until_the_layer_took_the_first_frame(
 ):
     # covers: D1 (on a layer with a round trip, such as Redis, the first token is not held
     # back by the parsing of an answer that arrived whole)
-    from chatcore.engine import worker
+    from chatcore.engine import turn_run
     from chatcore.engine.turns import runner
 
     # The runner's wait is capped (for a layer that never answers); this layer always does,
     # within 40 ms, and a busy machine must not turn the cap into what is tested here.
     monkeypatch.setattr(runner, "FIRST_FRAME_WAIT_SECONDS", 10.0)
-    real_run_turn = worker.Workers._run_turn
+    real_run_turn = turn_run.TurnRuns.run
 
     async def run_turn(self: Any, started: Any) -> None:
         if started.opened is not None:
@@ -248,7 +248,7 @@ async def test_the_rest_of_a_burst_waits_until_the_layer_took_the_first_frame(
             await asyncio.sleep(0.05)
         await real_run_turn(self, started)
 
-    monkeypatch.setattr(worker.Workers, "_run_turn", run_turn)
+    monkeypatch.setattr(turn_run.TurnRuns, "run", run_turn)
     parsed_at_first_frame.clear()
     with override_settings(CHANNEL_LAYERS={"default": {"BACKEND": f"{__name__}.TakesAWhileLayer"}}):
         engine = TakesAWhileLayer.engine = await make_engine()

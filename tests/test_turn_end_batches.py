@@ -18,7 +18,7 @@ from django.db import OperationalError, connection, connections, transaction
 from django.db.models import F
 
 from chatcore.common import publish
-from chatcore.engine import admission, queue
+from chatcore.engine import admission_batch, after_turn, queue
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
 from chatcore.engine.lease import LeaseLost
@@ -70,8 +70,8 @@ def _started(make_user: Any, count: int) -> list[queue.Started]:
             content=f"question {i}",
             sender_id=str(session.owner_id),
         )
-        outcome = admission.admit_and_start_many(
-            [admission.Admission(inbound, session, "this-process")],
+        outcome = admission_batch.admit_and_start_many(
+            [admission_batch.Admission(inbound, session, "this-process")],
             cfg=settings.CHAT,
             states=SessionStates(),
         )[0]
@@ -92,8 +92,8 @@ def _commit_many(endings: list[Ending], states: SessionStates) -> list[Any]:
     return commit_outcomes(
         endings,
         states=states,
-        after=lambda e: queue.after_turn_statement(e.turn, e.fence),
-        read_after=lambda e, row: queue.after_turn_of(row, e.fence),
+        after=lambda e: after_turn.after_turn_statement(e.turn, e.fence),
+        read_after=lambda e, row: after_turn.after_turn_of(row, e.fence),
     )
 
 
@@ -121,7 +121,7 @@ def test_a_batch_of_turn_ends_commits_every_answer_in_three_round_trips(
     for i, (st, result) in enumerate(zip(started, results, strict=True)):
         assert isinstance(result, CommitResult), result
         assert (result.status, result.error) == (TurnStatus.COMPLETED, None)
-        assert result.after == queue.AfterTurn(staged=False, queued=False, party_waiting=False)
+        assert result.after == after_turn.AfterTurn(staged=False, queued=False, party_waiting=False)
         turn = Turn.objects.get(pk=st.turn.pk)
         assert (turn.status, turn.usage) == (TurnStatus.COMPLETED, {"completion_tokens": 3})
         live = Session.objects.get(pk=st.session.pk)

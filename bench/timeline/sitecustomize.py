@@ -65,7 +65,17 @@ if os.environ.get("SEND_TIMELINE"):
         import httpx
 
         from chatcore.common import dbthreads
-        from chatcore.engine import admission, engine, provider_net, rates, snapshots, worker
+        from chatcore.engine import (
+            admission,
+            admission_batch,
+            admission_lock,
+            engine,
+            provider_net,
+            rates,
+            snapshots,
+            turn_run,
+            worker,
+        )
         from chatcore.engine.turns import runner
         from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
@@ -74,8 +84,9 @@ if os.environ.get("SEND_TIMELINE"):
             (consumers.ChatConsumer, "receive", "frame received"),
             (engine.Engine, "submit", "submit"),
             (admission, "admit_and_start", "admission"),
-            (admission, "lock_for_admission", "locked row and counts"),
-            (admission, "_start_locked", "turn started in the admission"),
+            (admission_lock, "lock_for_admission", "locked row and counts"),
+            (admission, "start_locked", "turn started in the admission"),
+            (admission_batch, "start_locked", "turn started in the admission"),
             (rates, "acharge", "send-rate charge"),
             (pg.DatabaseWrapper, "_commit", "COMMIT"),
             (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
@@ -85,7 +96,7 @@ if os.environ.get("SEND_TIMELINE"):
             (engine.Engine, "_prepare_early", "input built beside"),
             (worker.Workers, "start_claimed", "worker started"),
             (worker.Workers, "hand_off", "handed to the worker"),
-            (worker.Workers, "_run_turn", "turn run"),
+            (turn_run.TurnRuns, "run", "turn run"),
             (runner.TurnRunner, "_one_request", "model step"),
             (httpx.AsyncClient, "send", "model request"),
             (snapshots, "send_snapshot", "snapshot published"),

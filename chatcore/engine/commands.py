@@ -24,9 +24,8 @@ from sessions_app import selectors, services, usage
 from sessions_app.models import Session
 
 from . import rates
-from .dialog_settings import dialog_settings_update
+from .dialog_settings import catalog_for, dialog_settings_update
 from .dialogs import delete_dialog
-from .model_catalog import process_catalog
 from .sessions import SessionStates, dialog_after_delete, dialog_create
 
 if TYPE_CHECKING:
@@ -325,7 +324,7 @@ async def _compact(ctx: CommandContext, args: str) -> CommandResult:
 async def _model(ctx: CommandContext, args: str) -> CommandResult:
     """H4: what a chat app or the terminal has for the web chat's model picker."""
     session = _require_current(ctx)
-    catalog = ctx.engine.models if ctx.engine is not None else process_catalog()
+    catalog = catalog_for(ctx.engine)
     if args:
         # Its `session_updated` reaches the chat's clients through the chat group.
         session = await dialog_settings_update(engine=ctx.engine, session=session, model=args)

@@ -17,7 +17,7 @@ from chatcore.common import publish
 from chatcore.common.dbthreads import on_db
 from sessions_app import files, services, storage
 
-from . import queue
+from . import recovery
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ async def sweep_loop(engine: ControlHandler) -> None:
     last_evict = time.monotonic()
     while True:
         try:
-            for pk in await on_db(queue.orphaned_sessions)(scope=engine.scope, cfg=cfg):
+            for pk in await on_db(recovery.orphaned_sessions)(scope=engine.scope, cfg=cfg):
                 await engine.kick(pk)
             if settings.SCALED:
                 await on_db(engine.refresh_sockets)()

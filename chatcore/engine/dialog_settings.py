@@ -9,10 +9,17 @@ from chatcore.common.dbthreads import on_db
 from sessions_app import settings_services
 from sessions_app.models import Session
 
-from .model_catalog import ModelCatalog, process_catalog
+from .model_catalog import ModelCatalog, settings_catalog
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+def catalog_for(engine: Engine | None) -> ModelCatalog:
+    """The catalog a caller with `engine` (this process's, or None) checks models against:
+    the engine's (`Engine.models`, whose list follows its provider), else, in a process
+    without one, one made from the settings."""
+    return engine.models if engine is not None else settings_catalog()
 
 
 async def dialog_settings_update(
@@ -25,13 +32,8 @@ async def dialog_settings_update(
     """Set the dialog's model (one the catalog offers, else `UnknownModel`, 400) and/or its
     system prompt; None leaves a field as it is."""
     if model is not None:
-        catalog = engine.models if engine is not None else process_catalog()
+        catalog = catalog_for(engine)
         model = catalog.check(model.strip(), await catalog.aids())
     return await on_db(settings_services.session_settings_update)(
         session=session, model=model, system_prompt=system_prompt
     )
-
-
-def model_choices(catalog: ModelCatalog | None = None) -> list[str]:
-    """The model ids offered now (blocking when the list is stale: for sync callers)."""
-    return (catalog or process_catalog()).ids()

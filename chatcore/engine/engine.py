@@ -37,7 +37,16 @@ from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import rows, storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
-from . import admission, control, limits, queue, rates, snapshots
+from . import (
+    admission,
+    admission_batch,
+    control,
+    limits,
+    queue,
+    rates,
+    snapshots,
+    turn_controls,
+)
 from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
@@ -115,16 +124,20 @@ class Engine:
         # PostgreSQL each has its own trip, and those of different dialogs run side by side.
         self.writes = Lane("writes") if connection.vendor == "sqlite" else None
         # G6: there, sends that come faster than their admissions finish are admitted
-        # together, a transaction per batch (`admission.admit_and_start_many`): in a burst of a
-        # hundred sends, the CPU of a transaction each (statements, hops, a COMMIT, under
-        # the one interpreter lock) is what the last first token waits for, and together it
-        # is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
+        # together, a transaction per batch (`admission_batch.admit_and_start_many`): in a
+        # burst of a hundred sends, the CPU of a transaction each (statements, hops, a COMMIT,
+        # under the one interpreter lock) is what the last first token waits for, and together
+        # it is less than half (`bench/admission_bench.py`). A dialog's sends are admitted in
         # the order they came (C1), and a batch starts at most one send of each sender (its
         # F7 counts are read once per batch); at shutdown a waiting send is refused.
-        self.admissions: Gathered[admission.Admission, tuple[Ack, queue.Started | None]] | None = (
+        self.admissions: (
+            Gathered[admission_batch.Admission, tuple[Ack, queue.Started | None]] | None
+        ) = (
             Gathered(
                 "admissions",
-                functools.partial(admission.admit_and_start_many, cfg=self.cfg, states=self.states),
+                functools.partial(
+                    admission_batch.admit_and_start_many, cfg=self.cfg, states=self.states
+                ),
                 spawn=self.supervisor.spawn,
                 alone_limit=max(1, dbthreads.thread_count() // 3),
                 key=lambda send: str(send.session.pk),
@@ -310,7 +323,7 @@ class Engine:
             and inbound.accept is None
             and inbound.mode in ("send", "steer")
         ):
-            send = admission.Admission(
+            send = admission_batch.Admission(
                 inbound,
                 session,
                 start_as,
@@ -373,7 +386,7 @@ class Engine:
     async def stop(self, session: Session) -> StopResult:
         """Abort the running turn at once, drop unstarted sends and staged steers."""
         running, dropped = await storage.astorage_retry(
-            lambda: queue.stop(session), what="stop", session=session
+            lambda: turn_controls.stop(session), what="stop", session=session
         )
         for turn in dropped:
             await publish.apublish(
@@ -402,11 +415,12 @@ class Engine:
             )
 
     async def retry(self, session: Session, *, owner: User, client_msg_id: str = "") -> Ack:
-        """C6: re-run the last failed or cancelled turn as a new turn (`queue.enqueue_retry`).
-        A retry starts model work, so it is charged to the send rate (F7)."""
+        """C6: re-run the last failed or cancelled turn as a new turn
+        (`turn_controls.enqueue_retry`). A retry starts model work, so it is charged to the send
+        rate (F7)."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_retry(
+            lambda: turn_controls.enqueue_retry(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="retry",
@@ -424,7 +438,7 @@ class Engine:
         clients join them. Charged to the send rate like a send."""
         await check_model_work(owner, cfg=self.cfg, closing=self.closing)
         ack = await storage.astorage_retry(
-            lambda: queue.enqueue_continue(
+            lambda: turn_controls.enqueue_continue(
                 session, owner_id=owner.pk, client_msg_id=client_msg_id, cfg=self.cfg
             ),
             what="continue",

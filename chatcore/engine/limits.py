@@ -188,7 +188,7 @@ def waiting_dialogs(turn: Turn, cfg: Mapping[str, Any] | None = None) -> list[st
 
 def waiting_elsewhere(turn: Turn) -> tuple[str, list[Any]]:
     """After `turn` ended, as a boolean SQL expression (for a statement the after-turn step
-    runs anyway, `queue.after_turn_read`): whether another dialog of its party waits for a
+    runs anyway, `after_turn.after_turn_read`): whether another dialog of its party waits for a
     slot (queued turns, none running). Only then is `waiting_dialogs` worth its query; a
     party rarely has one, so most turns end without it."""
     session = turn.session

@@ -181,14 +181,10 @@ _settings_catalogs: dict[tuple[str, str, tuple[str, ...]], ModelCatalog] = {}
 _settings_lock = threading.Lock()
 
 
-def process_catalog() -> ModelCatalog:
-    """This process's catalog: its engine's, else (a process without one, e.g. the admin
-    under a plain WSGI server) one made from the settings."""
-    from . import runtime
-
-    engine = runtime.current_engine()
-    if engine is not None:
-        return engine.models
+def settings_catalog() -> ModelCatalog:
+    """A catalog made from the settings alone, one per process for the same settings: for a
+    caller in a process without an engine (the admin under a plain WSGI server); a process
+    that runs one asks the engine's (`Engine.models`, `dialog_settings.catalog_for`)."""
     cfg = settings.LLM
     key = (cfg["BASE_URL"], str(cfg["MODEL"]), tuple(cfg.get("MODELS") or ()))
     with _settings_lock:

@@ -21,7 +21,7 @@ from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db
 from sessions_app.models import Session
 
-from . import queue
+from . import recovery
 from .delivery import DeliveryHandle
 from .lease import Lease
 from .turns.runner import TurnSnapshot
@@ -148,7 +148,7 @@ async def checkpoint_loop(
 async def checkpoint_pass(
     turns: list[LocalTurn], *, reset_db: Callable[[], Awaitable[None]]
 ) -> None:
-    """One transaction for all running turns (`queue.checkpoint_all`): the partial text of
+    """One transaction for all running turns (`recovery.checkpoint_all`): the partial text of
     each turn whose text changed since its last checkpoint goes to its turn record (never to
     messages, never per token); a turn whose lease was taken over writes nothing and is
     cancelled (G2); a stop requested from elsewhere reaches its turn (C6 fallback). A
@@ -160,9 +160,9 @@ async def checkpoint_pass(
     for local in running:
         text = local.snapshot.text
         changed = None if text == local.checkpointed else text
-        items.append((local, text, queue.Checkpoint(local.turn_id, changed, local.lease)))
+        items.append((local, text, recovery.Checkpoint(local.turn_id, changed, local.lease)))
     try:
-        found = await on_db(queue.checkpoint_all)([item for _l, _t, item in items])
+        found = await on_db(recovery.checkpoint_all)([item for _l, _t, item in items])
     except DatabaseError:
         # G5: try again at the next beat on a fresh connection.
         logger.warning("checkpoint failed", extra={"turns": len(items)})

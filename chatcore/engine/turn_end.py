@@ -27,7 +27,7 @@ from chatcore.common.errors import StorageError
 from sessions_app import services, storage
 from sessions_app.models import Role, Session, Turn, TurnStatus
 
-from . import jobs, queue
+from . import after_turn, jobs
 from .delivery import DeliveryCoordinator, Terminal
 from .gather import Gathered
 from .lease import Lease, LeaseLost
@@ -75,8 +75,8 @@ class TurnEnds:
                 functools.partial(
                     commit_outcomes,
                     states=states,
-                    after=lambda e: queue.after_turn_statement(e.turn, e.fence),
-                    read_after=lambda e, row: queue.after_turn_of(row, e.fence),
+                    after=lambda e: after_turn.after_turn_statement(e.turn, e.fence),
+                    read_after=lambda e, row: after_turn.after_turn_of(row, e.fence),
                 ),
                 spawn=supervisor.spawn,
                 alone_limit=alone_limit,
@@ -103,7 +103,7 @@ class TurnEnds:
                     base_generation=generation,
                     states=self.states,
                     fence=fence,
-                    after=lambda: queue.after_turn_read(turn, fence),
+                    after=lambda: after_turn.after_turn_read(turn, fence),
                 ),
                 what="turn_commit",
                 session=session,

@@ -1,6 +1,6 @@
 """The per-dialog workers of one process (C1, C3, C11): take the dialog's lease, claim its
-queued turns one at a time, run each (builder -> runner) and end it (`turn_end`: its commit
-and what goes out then), then read what is left and claim the next or linger.
+queued turns one at a time, run each (`turn_run`: builder -> runner) and end it (`turn_end`:
+its commit and what goes out then), then read what is left and claim the next or linger.
 
 Turns of one dialog never overlap, across processes too: a worker runs only while it holds
 the dialog's lease (`lease.Lease`), renewed every third of its period (one statement for all
@@ -18,14 +18,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from chatcore.common import dbthreads, publish
+from chatcore.common import dbthreads
 from chatcore.common.dbthreads import Lane, on_db
 from chatcore.common.errors import ShuttingDown
-from sessions_app import services, storage
+from sessions_app import storage
 from sessions_app.models import Session, Turn, TurnMode
 
-from . import lease, queue, snapshots
-from .delivery import DeliveryCoordinator, sink_for_channel
+from . import after_turn, lease, queue, recovery, snapshots
+from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .lease import Lease, LeaseLost
 from .provider_types import ChatProvider
@@ -33,12 +33,12 @@ from .scheduler import Scheduler
 from .sessions import SessionStates
 from .snapshots import LocalTurn
 from .supervisor import TaskSupervisor
-from .tools import ToolContext, ToolRegistry
+from .tools import ToolRegistry
 from .turn_end import TurnEnds
-from .turns.builder import RuntimeInfo, TurnInputBuilder
-from .turns.committer import take_staged
-from .turns.outcome import Cancelled, Failed, FailureKind, TurnOutcome
-from .turns.runner import FirstRequest, OpenedRequest, TurnRunner, TurnSnapshot
+from .turn_run import TurnRuns, close_opened
+from .turns.builder import TurnInputBuilder
+from .turns.outcome import TurnOutcome
+from .turns.runner import FirstRequest, OpenedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,6 @@ class Workers:
         self.builder = builder
         self.provider = provider
         self.tools = tools
-        self.delivery = delivery
-        self.scheduler = scheduler
         self.scope = scope
         # The write lane the final commits share with the admissions (SQLite), or None.
         self.writes = writes
@@ -89,7 +87,7 @@ class Workers:
         # Workers whose queue is empty, keeping the lease for a follow-up (`_linger`).
         self.lingering: set[str] = set()
         # Dialogs whose last turn's after-turn read found nothing queued or staged
-        # (`queue.after_turn_read`): unless a kick came since, their worker claims nothing.
+        # (`after_turn.after_turn_read`): unless a kick came since, their worker claims nothing.
         self._found_empty: set[str] = set()
         # Dialogs whose last turn ended with no other dialog of its party waiting for a
         # slot (the same read): `_wake_waiting` has none to look for.
@@ -103,11 +101,23 @@ class Workers:
             spawn=supervisor.spawn,
             alone_limit=alone_limit,
         )
+        self.runs = TurnRuns(
+            cfg=cfg,
+            supervisor=supervisor,
+            builder=builder,
+            provider=provider,
+            tools=tools,
+            delivery=delivery,
+            scheduler=scheduler,
+            boundaries=self.boundaries,
+            local=self.local,
+            finish=self._finish,
+        )
         self.ends = TurnEnds(
             states=states,
             supervisor=supervisor,
             delivery=delivery,
-            schedule_beside=self._schedule_beside,
+            schedule_beside=self.runs.schedule_beside,
             alone_limit=alone_limit,
             writes=writes,
         )
@@ -168,7 +178,7 @@ class Workers:
     async def start_claimed(self, started: queue.Started) -> None:
         """Run a turn `admission.admit_and_start` claimed under a lease it took (G6): the model
         request goes out next; the user message's `history_delta` is published by a task of
-        its own once that request is on its way (`_run_turn`), never awaited here."""
+        its own once that request is on its way (`TurnRuns.run`), never awaited here."""
         session_pk = started.session.pk
         self._wakeups[session_pk] = asyncio.Event()
         self._leases[session_pk] = started.lease
@@ -180,7 +190,7 @@ class Workers:
             # The turn stays marked running; the next holder of the lease closes it (C11).
             self._leases.pop(session_pk, None)
             self._wakeups.pop(session_pk, None)
-            await self._close_opened(started)
+            await close_opened(started)
             await on_db(queue.release_lease)(started.lease)
 
     def lingering_lease(self, session_pk: str) -> Lease | None:
@@ -201,9 +211,9 @@ class Workers:
         (C11), and the delta goes out from here."""
         session_pk = started.session.pk
         if not self.running(session_pk):
-            await self._close_opened(started)
+            await close_opened(started)
             if started.appended is not None:
-                self._announce(started.appended, started.turn)
+                self.runs.announce(started.appended, started.turn)
             logger.warning(
                 "the worker a started turn was handed to has ended",
                 extra={"session_id": started.session.session_id, "turn_id": str(started.turn.pk)},
@@ -243,50 +253,17 @@ class Workers:
             ahead = None
         started.opened = OpenedRequest(self.provider, prepared, request, ahead=ahead)
 
-    async def _close_opened(self, started: queue.Started) -> None:
-        """Close the first request opened for a turn that is not run here (`Started.opened`),
-        and open none for it from now on."""
-        started.may_open = False
-        opened, started.opened = started.opened, None
-        if opened is not None:
-            await opened.aclose()
-
-    def _announce(self, appended: services.Appended, turn: Turn) -> asyncio.Task[None]:
-        return self.supervisor.spawn(f"publish:{turn.pk}", _publish_appended(appended, turn))
-
-    def _announcer(
-        self, started: queue.Started, local: LocalTurn | None = None
-    ) -> Callable[[], None]:
-        """Publish the `history_delta` of what `started` appended (its user message), once:
-        a task of its own (`local.announced`, which the turn's first snapshot waits for), or
-        at once when the process is shutting down."""
-        pending = [started.appended] if started.appended is not None else []
-
-        def announce() -> None:
-            if not pending:
-                return
-            appended = pending.pop()
-            try:
-                task = self._announce(appended, started.turn)
-            except ShuttingDown:
-                services.announce_appended(appended, started.turn)
-            else:
-                if local is not None:
-                    local.announced = task
-
-        return announce
-
     async def _worker(self, session_pk: str, first: queue.Started | None = None) -> None:
         wake = self._wakeups[session_pk]
         held = self._leases[session_pk]
         try:
             if first is None:
-                await on_db(queue.recover_interrupted)(
+                await on_db(recovery.recover_interrupted)(
                     session_pk, held, states=self.states, running_here=set(self.local)
                 )
             else:
                 # Claimed in the admitting transaction, which saw no running turn (C11).
-                await self._run_turn(first)
+                await self.runs.run(first)
                 self._wake_waiting(first.turn)
             while not self.closing:
                 # Nothing was queued at the last turn's end and no kick came since: no read
@@ -298,7 +275,7 @@ class Workers:
                 handed = self._handed.pop(session_pk, None)
                 if handed is not None:
                     self._between.discard(session_pk)
-                    await self._run_turn(handed)
+                    await self.runs.run(handed)
                     self._wake_waiting(handed.turn)
                     continue
                 self._between.add(session_pk)
@@ -314,7 +291,7 @@ class Workers:
                 )
                 if isinstance(turn, queue.Started):
                     self._between.discard(session_pk)
-                    await self._run_turn(turn)
+                    await self.runs.run(turn)
                     self._wake_waiting(turn.turn)
                     continue
                 if turn is None:
@@ -353,8 +330,8 @@ class Workers:
             unrun = self._handed.pop(session_pk, None)
             if unrun is not None:
                 # Left to the next holder of the lease (C11); its message is stored.
-                self._announcer(unrun)()
-                await self._close_opened(unrun)
+                self.runs.announcer(unrun)()
+                await close_opened(unrun)
             self._found_empty.discard(session_pk)
             self._party_idle.discard(session_pk)
             self._wakeups.pop(session_pk, None)
@@ -442,235 +419,12 @@ class Workers:
         if self.closing:
             return
         try:
-            waiting = await on_db(queue.waiting_dialogs)(turn, scope=self.scope, cfg=self.cfg)
+            waiting = await on_db(after_turn.waiting_dialogs)(turn, scope=self.scope, cfg=self.cfg)
         except Exception:
             logger.exception("could not list dialogs waiting for a slot")
             return
         for pk in waiting:
             await self.kick(pk)
-
-    # --- one turn ------------------------------------------------------------------------
-
-    async def _run_turn(self, started: queue.Started) -> None:
-        """Run a turn claimed under `started.lease` with its user message recorded in the
-        claiming transaction (G6), on the dialog's row as that transaction locked it. That
-        message's `history_delta` goes out as the turn starts: when its input was built
-        beside the admission, once the model request is on its way (G6: the request first;
-        the delta still reaches the clients before any snapshot of the turn, whose publishes
-        wait for it, `LocalTurn.announced`), else before the input is built."""
-        turn, held = started.turn, started.lease
-        session = started.session
-        turn_id = str(turn.pk)
-        log = {"session_id": session.session_id, "turn_id": turn_id}
-        snapshot = TurnSnapshot(turn_id=turn_id)
-        local = LocalTurn(turn_id=turn_id, session=session, snapshot=snapshot, lease=held)
-        announce = self._announcer(started, local)
-        self.local[turn_id] = local
-        generation = started.generation
-        opened: OpenedRequest | None = None
-        try:
-            sink = sink_for_channel(session.channel)
-            if sink is not None:
-                announce()  # the platform's message is made first: the delta does not wait
-                # D4: an external platform's streaming message for this turn.
-                target = {
-                    "chat_id": session.chat_id,
-                    **dict(turn.source.get("context") or {}),
-                    "turn_id": turn_id,
-                }
-                local.delivery = await self.delivery.start(sink, target)
-            runtime = RuntimeInfo(
-                channel=session.channel, dialog_id=session.dialog_id, title=session.title
-            )
-            exclude = (
-                str(turn.retry_of_id) if turn.mode == TurnMode.RETRY and turn.retry_of_id else None
-            )
-            continues, lead = queue.continuation(turn)
-            try:
-                # G6: a send's input may be under way since its admission committed, and is
-                # often built by now (taken as it is: no hop through the loop for it).
-                building = started.prepared
-                prepared = building.result() if building is not None and building.done() else None
-                if prepared is None:
-                    # Still to build, which may take a while in a long dialog: the user's
-                    # message enters the clients' history first.
-                    announce()
-                    if building is not None and not building.done():
-                        prepared = await asyncio.wrap_future(building)
-                if prepared is None:
-                    prepared = await self.builder.prepare(
-                        session_pk=session.pk,
-                        runtime=runtime,
-                        exclude_turn_partials=exclude,
-                        pending=lead,
-                        session=session,
-                        context=started.context,
-                    )
-            except Exception:
-                logger.exception("context preparation failed", extra=log)
-                announce()
-                failed = Failed(FailureKind.CONTEXT_PREPARATION, "prepare failed")
-                await self._finish(turn, session, failed, generation, local=local)
-                return
-            dropped = prepared.dropped_for_budget
-
-            def after_request() -> None:
-                # The model request is on its way: the user message's delta, and (B5) the
-                # compaction a long dialog needs, scheduled off the path to the first token
-                # (in scaled mode a round trip to Redis on a database thread).
-                announce()
-                if dropped:
-                    self._schedule_compaction(session.pk)
-
-            async def fetch_staged() -> list[Any]:
-                # One statement: the lease still ours, and whether anything is staged (with
-                # other turns' boundaries, in a burst).
-                staged = await self.boundaries(
-                    held, functools.partial(on_db(held.confirm), lease.STAGED_INPUTS)
-                )
-                if not staged:
-                    return []
-                return await on_db(take_staged)(turn=turn, fence=held, confirmed=True)
-
-            # The first request, if it went out already (`open_first_request`): the runner
-            # takes it, and none is opened from here on.
-            started.may_open = False
-            opened, started.opened = started.opened, None
-            runner = TurnRunner(
-                provider=self.provider,
-                tools=self.tools,
-                builder=self.builder,
-                snapshot=snapshot,
-                tool_context=ToolContext(owner_id=turn.owner_id, session_pk=session.pk),
-                fetch_staged=fetch_staged,
-                runtime=runtime,
-                session_pk=session.pk,
-                # E5: a continuation is one text step that goes on with the cut answer.
-                max_steps=1 if continues else self.cfg["MAX_STEPS"],
-                exclude_turn_partials=exclude,
-                continues=continues,
-                lead=lead,
-                opened=opened,
-            )
-            outcome = await self._run_cancellable(
-                local, runner, prepared, after_request=after_request
-            )
-            if runner.recovered:
-                self._schedule_compaction(session.pk)
-            await self._finish(turn, session, outcome, generation, local=local)
-        finally:
-            announce()  # a turn that ended before its request: the message is stored
-            self.local.pop(turn_id, None)
-            if opened is not None:
-                await opened.aclose()  # a runner cancelled before it ran; else nothing
-            await self._close_opened(started)
-
-    def _schedule_compaction(self, session_pk: str) -> None:
-        """B5: a compaction for the dialog, scheduled beside the turn, not before its model
-        request: a long dialog drops messages for the budget on every turn until its summary
-        lands."""
-        self._schedule_beside("compact_session", session_pk=session_pk, manual=False)
-
-    def _schedule_beside(self, job: str, **kwargs: Any) -> None:
-        """Schedule a background job (B4, B5) under the supervisor, off the turn's path and
-        the next turn's: in scaled mode scheduling takes a round trip to Redis for the job's
-        guard and, when it is due, one to the broker (the first of a process also connects).
-        At shutdown it is left to a later turn, which finds it due again."""
-        try:
-            self.supervisor.spawn(
-                f"schedule:{job}:{kwargs.get('session_pk')}",
-                on_db(self.scheduler.schedule)(job, **kwargs),
-            )
-        except ShuttingDown:
-            pass
-
-    async def _run_cancellable(
-        self,
-        local: LocalTurn,
-        runner: TurnRunner,
-        prepared: Any,
-        *,
-        after_request: Callable[[], None] | None = None,
-    ) -> TurnOutcome:
-        loop = asyncio.get_running_loop()
-        # Set before the runner runs: its first step may read the first token at once (a
-        # request opened at the admission, `OpenedRequest`), and the rest of a burst then
-        # waits for the publisher below to take the first frame (D1), whose task has not run
-        # yet.
-        local.snapshot.first_sent = asyncio.Event()
-        run = loop.create_task(runner.run(prepared), name=f"run:{local.turn_id}")
-        if after_request is not None:
-            # After the runner's first step, which sends the model request and waits for its
-            # answer: what runs there (the user message's delta) runs while the model works,
-            # before its first token can be read.
-            loop.call_soon(after_request)
-        cancel_wait = loop.create_task(local.cancel.wait())
-        publisher = loop.create_task(
-            snapshots.publish_snapshots(
-                local, fps=self.cfg["SNAPSHOT_FPS"], spawn=self.supervisor.spawn
-            )
-        )
-        try:
-            # F7: a turn has an overall deadline; a model that trickles cannot hold the
-            # dialog's lease and a model slot forever.
-            deadline = float(self.cfg["TURN_DEADLINE_SECONDS"])
-            await asyncio.wait(
-                {run, cancel_wait}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not run.done() and not cancel_wait.done():
-                await _cancel(run)
-                logger.warning(
-                    "turn passed its deadline of %.0fs", deadline, extra={"turn_id": local.turn_id}
-                )
-                return Failed(
-                    FailureKind.TIMEOUT,
-                    "turn deadline",
-                    messages=runner.pending,
-                    partial=runner.partial,
-                )
-            if not run.done():
-                # C6: cancelling the task closes the provider's HTTP stream at once.
-                await _cancel(run)
-                if self.closing:
-                    return Failed(
-                        FailureKind.INTERRUPTED,
-                        "shutdown",
-                        messages=runner.pending,
-                        partial=runner.partial,
-                    )
-                return Cancelled(messages=runner.pending, partial=runner.partial)
-            try:
-                return run.result()
-            except Exception as exc:
-                logger.exception("turn runner failed", extra={"turn_id": local.turn_id})
-                return Failed(
-                    FailureKind.AGENT_CREATION,
-                    str(exc),
-                    messages=runner.pending,
-                    partial=runner.partial,
-                )
-        finally:
-            # Stop the helpers by flag as well as by cancel: a cancellation can be swallowed
-            # inside a channel-layer call (asyncio.wait_for on Python 3.11), and the turn's end
-            # must never wait on them for long.
-            local.ended = True
-            local.snapshot.changed.set()
-            helpers = (cancel_wait, publisher)
-            for task in helpers:
-                # A snapshot publish under way is let land (the publisher returns after it):
-                # cancelled after the layer took the frame, it would count as unsent and the
-                # flush would send its tail twice (D1).
-                if task is not publisher or not local.publishing:
-                    task.cancel()
-            # The publish under way lands and the last tail goes out while the outcome is
-            # committed; the terminal waits for both (`TurnEnds.announce`).
-            try:
-                local.drained = self.supervisor.spawn(
-                    f"drain:{local.turn_id}", _drain_snapshots(local, helpers)
-                )
-            except ShuttingDown:
-                # Shutdown began: the turn's last tail still goes out, here.
-                await _drain_snapshots(local, helpers)
 
     async def _finish(
         self,
@@ -708,52 +462,27 @@ class Workers:
         found_in_commit = result.after
         left = (
             None
-            if isinstance(found_in_commit, queue.AfterTurn)
+            if isinstance(found_in_commit, after_turn.AfterTurn)
             else asyncio.ensure_future(
                 storage.astorage_retry(
-                    lambda: queue.after_turn_read(turn, fence), what="after_turn"
+                    lambda: after_turn.after_turn_read(turn, fence), what="after_turn"
                 )
             )
         )
         await self.ends.announce(turn, session, outcome, result, local)
         try:
             found = await left if left is not None else found_in_commit
-            assert isinstance(found, queue.AfterTurn)
+            assert isinstance(found, after_turn.AfterTurn)
             if not found.queued:
                 self._found_empty.add(session.pk)
             if not found.party_waiting:
                 self._party_idle.add(session.pk)
             if found.staged:
                 await storage.astorage_retry(
-                    lambda: queue.after_turn_staged(
+                    lambda: after_turn.after_turn_staged(
                         turn, result, fence, states=self.states, cfg=self.cfg
                     ),
                     what="after_turn",
                 )
         except LeaseLost:
             logger.error("lost the lease after a turn", extra={"turn_id": str(turn.pk)})
-
-
-async def _drain_snapshots(local: LocalTurn, helpers: tuple[asyncio.Task[Any], ...]) -> None:
-    _done, stuck = await asyncio.wait(helpers, timeout=5)
-    if stuck:
-        logger.error("turn helpers did not stop in time", extra={"turn_id": local.turn_id})
-        for late in stuck:
-            late.cancel()
-    await snapshots.flush_snapshot(local)
-
-
-async def _publish_appended(appended: services.Appended, turn: Turn) -> None:
-    session = appended.session
-    await publish.apublish(
-        publish.chat_group(session.channel, session.chat_id),
-        services.appended_frame(appended, turn),
-    )
-
-
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass

@@ -19,8 +19,8 @@ from django.utils.translation import gettext_lazy as _
 
 from chatcore.common.errors import ChatError
 from chatcore.common.llm_models import SYSTEM_PROMPT_MAX
-from chatcore.engine.dialog_settings import model_choices
-from chatcore.engine.model_catalog import process_catalog
+from chatcore.engine import runtime
+from chatcore.engine.dialog_settings import catalog_for
 
 from .. import settings_services, usage
 from ..models import Session
@@ -46,8 +46,10 @@ class DialogSettingsFormMixin(forms.ModelForm):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        catalog = process_catalog()
-        ids = model_choices(catalog)
+        # This process's engine when it runs one (the admin inside `serve`), else a catalog
+        # made from the settings (the admin under a plain WSGI server).
+        catalog = catalog_for(runtime.current_engine())
+        ids = catalog.ids()  # blocking when the list is stale: a sync caller
         own = self.instance.model if self.instance is not None else ""
         choices = [("", gettext("Default (%(model)s)") % {"model": catalog.default})]
         choices += [(name, name) for name in ids]

@@ -5,11 +5,11 @@ tighter budget, so nothing is ever appended twice.
 
 Everything here that grows with the dialog runs in a worker thread, never on the event loop
 (F7): loading the history (after the last compaction only), converting it, counting and
-trimming. Each stored message is converted and counted once (`_Replayed`, kept on the message
+trimming. Each stored message is converted and counted once (`Replayed`, kept on the message
 the history cache holds; `TokenCache`, by message id, for a dialog loaded again) and trimming
 walks back from the newest message until the budget is spent, so a build is linear in the
 dialog, and its cost per message already seen is a lookup. A turn's first build goes on from
-the dialog's last one (`_Carried`, `CarriedBuilds`): it makes items for the messages stored
+the dialog's last one (`Carried`, `CarriedBuilds`): it makes items for the messages stored
 since, moves the budget's start on and joins the request body's JSON in one go, so its cost
 follows what was added, not the dialog's length, also once the dialog is longer than the read
 window and its start moves on with every turn; anything else (a tool's call or result, a
@@ -18,12 +18,7 @@ continuation, another compaction, head or budget) walks the window again.
 
 from __future__ import annotations
 
-import bisect
 import logging
-import threading
-from array import array
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,12 +29,23 @@ from django.conf import settings
 from chatcore.common.dbthreads import on_db
 from chatcore.common.llm_models import context_window as model_window
 from sessions_app import selectors, services
-from sessions_app.models import Compaction, Message, MessageKind, Session
+from sessions_app.models import Compaction, Message, Session
 
-from ..provider_types import EncodedMessage, EncodedMessages, dumps
+from ..provider_types import EncodedMessage, EncodedMessages
 from ..sessions import SessionStates
 from ..tokens import TokenCache, TokenCounter, counter_for_model
 from . import attachments
+from .carried import Carried, CarriedBuilds, Window, go_on
+from .items import (
+    REPLAYED,
+    Item,
+    encoded,
+    joined_input,
+    message_to_openai,
+    replay,
+    replayed,
+    sanitize_tool_pairs,
+)
 from .outcome import PendingMessage
 from .paths import forked_context
 
@@ -98,350 +104,13 @@ class PreparedInput:
     context_window: int = 0
 
 
-def message_to_openai(m: Message | PendingMessage) -> dict[str, Any]:
-    data: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-    refs = getattr(m, "media_refs", None)
-    if refs and m.role == "user":
-        # H3: a user message with attachments is sent as content parts.
-        data["content"] = attachments.content_parts(m.content or "", refs)
-    if m.tool_calls:
-        data["tool_calls"] = m.tool_calls
-        if m.role == "assistant" and not m.content:
-            # E5: no empty assistant text beside tool calls; some backends reject "".
-            data["content"] = None
-    if m.role == "tool":
-        data["tool_call_id"] = m.tool_call_id
-    return data
-
-
-CONTINUE_INSTRUCTION = (
-    "Your previous answer was cut off because it reached the length limit. Continue it "
-    "exactly where it stopped, without repeating anything already written and without any "
-    "preamble."
-)
-
-
-@dataclass(slots=True)
-class _Item:
-    """One message of the model input: its OpenAI form, the key its token count is cached
-    under (None: count it afresh), whether it belongs to the turn being built, on a stored
-    message's own item its token counts by counter name (`TokenCounter.name`), and the seq
-    of the stored message it starts with (0 for this turn's own)."""
-
-    data: dict[str, Any]
-    key: Hashable | None
-    in_turn: bool = False
-    tokens: dict[str, int] | None = None
-    seq: int = 0
-
-
-@dataclass(slots=True)
-class _Replayed:
-    """What a stored message gives the model input, worked out once per loaded message and
-    kept on it: the history cache holds a dialog's loaded messages from turn to turn (A5),
-    so a build converts and counts only the messages new since its last one, and walks the
-    rest at the cost of a lookup (STYLE 18). A stored message never changes (B5); its item
-    is never changed in place (a join or a trim makes a new one)."""
-
-    item: _Item
-    id: str
-    # Left out of every model input: the welcome message and system rows.
-    skipped: bool
-    answer: bool
-    # E5: an empty assistant text is never replayed.
-    empty: bool
-    # E5: the id of the cut answer this continuation goes on with, else "".
-    continues: str
-    # A tool call or a tool's result: the input is checked for pairs only when it has one.
-    tool: bool
-    # Neither empty, a continuation nor a tool's: its item goes in as it is (`assemble`).
-    plain: bool
-
-
-_REPLAYED = "_replayed"
-
-
-def _replayed(m: Message) -> _Replayed:
-    memo: _Replayed | None = m.__dict__.get(_REPLAYED)
-    if memo is None:
-        answer = m.role == "assistant" and not m.tool_calls
-        empty = answer and not (m.content or "").strip()
-        continues = str((m.source or {}).get("continues") or "")
-        tool = m.role == "tool" or bool(m.tool_calls)
-        # Its JSON worked out here, once, on the thread that builds (F7).
-        data = _encoded(message_to_openai(m))
-        memo = _Replayed(
-            item=_Item(data, m.pk, tokens={}, seq=m.seq),
-            id=str(m.id),
-            skipped=m.kind == MessageKind.WELCOME or m.role == "system",
-            answer=answer,
-            empty=empty,
-            continues=continues,
-            tool=tool,
-            plain=not (empty or continues or tool),
-        )
-        m.__dict__[_REPLAYED] = memo
-    return memo
-
-
-def _replay(items: list[_Item], answers: dict[str, int], m: Message, r: _Replayed) -> None:
-    """Add a stored message to the model input (E5): an empty assistant text is never
-    replayed, and a continuation is joined to the answer it continues, so the model sees
-    one answer, as the user does. `answers` maps answer message ids to their index."""
-    if r.empty:
-        return
-    if r.answer and r.continues in answers:
-        index = answers[r.continues]
-        joined = items[index]
-        data = {**joined.data, "content": (joined.data["content"] or "") + m.content}
-        # The joined text is counted under the ids of all its parts.
-        key = (joined.key, m.pk) if joined.key is not None else None
-        items[index] = _Item(data, key, seq=joined.seq)
-        answers[r.id] = index
-        return
-    items.append(r.item)
-    if r.answer:
-        answers[r.id] = len(items) - 1
-
-
-def _encoded(m: dict[str, Any]) -> EncodedMessage:
-    out = m if isinstance(m, EncodedMessage) else EncodedMessage(m)
-    out.encoded()
-    return out
-
-
-def _sanitize_tool_pairs(items: list[_Item]) -> list[_Item]:
-    """Keep the model input well formed: tool results need their call and the reverse (a
-    cancelled turn may have stored one without the other)."""
-    answered = {it.data.get("tool_call_id") for it in items if it.data["role"] == "tool"}
-    called: set[str] = set()
-    out: list[_Item] = []
-    for it in items:
-        m = it.data
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [c for c in m["tool_calls"] if c.get("id") in answered]
-            if len(calls) != len(m["tool_calls"]):
-                m = dict(m)
-                if calls:
-                    m["tool_calls"] = calls
-                else:
-                    m.pop("tool_calls")
-                    if not m["content"]:
-                        continue
-                it = _Item(m, None, it.in_turn, seq=it.seq)
-            called.update(c["id"] for c in calls)
-        elif m["role"] == "tool" and m.get("tool_call_id") not in called:
-            continue
-        out.append(it)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Carried:
-    """What a build of a dialog's stored history alone left for the dialog's next one
-    (`TurnInputBuilder.assemble`): the history it walked (its first and last message, their
-    seqs and its length) and the window the budget kept of it: its items (tool pairs
-    checked, old results trimmed), their messages and each one's JSON, what the budget left
-    out before it, and its tokens. The next build makes items for the messages appended
-    since and moves the window's start on, instead of walking, counting and joining the
-    whole window again (STYLE 18: the cost of a turn's first build no longer grows with the
-    dialog). Never changed once made."""
-
-    # What the walk depends on besides the messages: the dialog's generation (C9: a history
-    # changed in place), the compaction's end, the budget, the head's tokens, the counter.
-    key: tuple[Any, ...]
-    first: Any
-    last: Any
-    first_seq: int
-    last_seq: int
-    walked: int
-    window: _Window
-
-
-@dataclass(frozen=True, slots=True)
-class _Window:
-    """The items of a model input the budget keeps, in order, with their messages and each
-    one's JSON (the body is those messages), how many items it left out before them, their
-    tokens, the bytes of their JSON; `before`, the seqs of the items left out (ascending),
-    and `hazard`, the seq of the first of them that is not a stored message's own item as it
-    is (a tool's call or result, an answer joined with its continuation: 0 for none).
-
-    With them, a history whose start moved on into what was left out (the read window of a
-    dialog longer than it, `selectors.turn_context`) is one the window goes on from: its
-    walk would leave out the items of `before` from that start on, and make the same items
-    of the messages it still holds. Unless a tool's call or a cut answer is before that start
-    and its result or continuation after it, which that walk makes differently (an orphan
-    result dropped, a continuation on its own): so a start past `hazard` walks again, and
-    that walk's window knows nothing of what is before its history."""
-
-    items: list[_Item]
-    datas: list[dict[str, Any]]
-    jsons: list[bytes]
-    dropped: int
-    kept: int
-    size: int
-    before: array[int]
-    hazard: int
-
-    @classmethod
-    def of(cls, items: list[_Item], start: int, kept: int, *, plain: bool) -> _Window:
-        """`plain`: every one of `items` is a stored message's own, as it is (its walk met
-        no tool's message, continuation or empty answer): none is looked at for `hazard`."""
-        window = items[start:]
-        datas = [it.data for it in window]
-        jsons = [_json_of(data) for data in datas]
-        before, hazard = _left_out(items[:start], array("q"), 0, plain=plain)
-        return cls(window, datas, jsons, start, kept, sum(map(len, jsons)), before, hazard)
-
-    @property
-    def held_bytes(self) -> int:
-        """What it holds, as `CarriedBuilds` counts it: its JSON and the seqs left out."""
-        return self.size + len(self.before) * self.before.itemsize
-
-
-def _left_out(
-    items: list[_Item], before: array[int], hazard: int, *, plain: bool = False
-) -> tuple[array[int], int]:
-    """`_Window`'s `before` and `hazard` with `items`, newly left out by the budget, after
-    those left out already (`plain`: as for `_Window.of`)."""
-    seqs = array("q", [it.seq for it in items])
-    if not hazard and not plain:
-        for it in items:
-            data, key = it.data, it.key
-            # A joined answer's or a trimmed result's key is a tuple; a checked call's None.
-            if key is None or type(key) is tuple or data["role"] == "tool" or "tool_calls" in data:
-                hazard = it.seq
-                break
-    return (before + seqs if seqs else before), hazard
-
-
-class CarriedBuilds:
-    """The last `_Carried` of each dialog built here, least recently used first out once
-    their messages' JSON passes `max_bytes` (the history cache holds the same messages while
-    it holds the dialog; this bounds what outlives it). Safe to use from every database
-    thread."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._held: OrderedDict[str, _Carried] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def get(self, session_pk: str) -> _Carried | None:
-        with self._lock:
-            return self._held.get(session_pk)
-
-    def put(self, session_pk: str, carried: _Carried) -> None:
-        with self._lock:
-            old = self._held.pop(session_pk, None)
-            if old is not None:
-                self._bytes -= old.window.held_bytes
-            self._held[session_pk] = carried
-            self._bytes += carried.window.held_bytes
-            while self._bytes > self.max_bytes and self._held:
-                _pk, gone = self._held.popitem(last=False)
-                self._bytes -= gone.window.held_bytes
-
-
-def _go_on(
-    carried: _Carried,
-    key: tuple[Any, ...],
-    history: list[Message],
-    through: int,
-    budget: int,
-    count: Any,
-) -> _Window | None:
-    """The window `assemble`'s walk of `history` keeps, from the dialog's last build's. None
-    (walk it all) unless `history` is the one `carried` walked with only messages appended
-    since, none of them a tool's call or result or a continuation (whose items change an
-    earlier one), and the walk's inputs are the same (a message that is none of those
-    changes no tool pair and no earlier item). The window's start only moves on: the items
-    before it did not fit then, and fit less with more after them. `history` may also start
-    later than the one walked, in what the budget left out (a dialog longer than the read
-    window): then what is left out before its start is no longer counted (`_Window`)."""
-    if carried.key != key or not history:
-        return None
-    was = carried.window
-    start_seq = history[0].seq
-    before, dropped = was.before, was.dropped
-    if start_seq == carried.first_seq:
-        if history[0].pk != carried.first:
-            return None
-        last = carried.walked - 1
-    elif (
-        start_seq > carried.first_seq
-        and (not was.hazard or was.hazard >= start_seq)
-        and (not was.items or was.items[0].seq >= start_seq)
-    ):
-        # Seqs run on without a gap; a history that does not fails the check below.
-        last = carried.last_seq - start_seq
-        gone = bisect.bisect_left(before, start_seq)
-        before, dropped = before[gone:], dropped - gone
-    else:
-        return None
-    if not 0 <= last < len(history) or history[last].pk != carried.last:
-        return None
-    added: list[_Item] = []
-    for m in history[last + 1 :]:
-        r = m.__dict__.get(_REPLAYED) or _replayed(m)
-        if r.skipped or m.seq <= through or r.empty:
-            continue  # as `_walk` (an empty answer is never replayed, E5)
-        if not r.plain:
-            return None
-        added.append(r.item)
-    items, kept, size = was.items, was.kept, was.size
-    datas, jsons = was.datas, was.jsons
-    if added:
-        more = [_json_of(it.data) for it in added]
-        items, datas, jsons = items + added, datas + [it.data for it in added], jsons + more
-        kept += sum(count(it) for it in added)
-        size += sum(map(len, more))
-    head_total = key[3]
-    start = 0
-    # As `_walk`'s walk back: the newest item is kept whatever it costs, and the window
-    # never starts with a tool's result.
-    while start < len(items) - 1 and head_total + kept > budget:
-        kept -= count(items[start])
-        start += 1
-    while start and start < len(items) and items[start].data["role"] == "tool":
-        kept -= count(items[start])
-        start += 1
-    if not start:
-        return _Window(items, datas, jsons, dropped, kept, size, before, was.hazard)
-    size -= sum(map(len, jsons[:start]))
-    before, hazard = _left_out(items[:start], before, was.hazard)
-    return _Window(
-        items[start:], datas[start:], jsons[start:], dropped + start, kept, size, before, hazard
-    )
-
-
-def _joined_input(
-    head: list[dict[str, Any]], body: list[dict[str, Any]], at: int | None, jsons: list[bytes]
-) -> EncodedMessages:
-    """The model input `head + body` with all its messages' JSON joined as the request body
-    sends it (`EncodedMessages`), in one join: the body's from `jsons`, its items' own, but
-    the message `at`, which the runtime block was put on (a copy), encoded anew."""
-    parts = [dumps(h) for h in head] + jsons
-    if at is not None:
-        parts[len(head) + at] = dumps(body[at])
-    return EncodedMessages.joined_from(head + body, len(head) + len(body), b",".join(parts))
-
-
-def _json_of(message: dict[str, Any]) -> bytes:
-    """A model-input message's JSON as the request body carries it: kept on it where the
-    build worked it out once (`EncodedMessage`)."""
-    if message.__class__ is EncodedMessage:
-        return message.encoded()
-    return dumps(message)
-
-
 def admitted_context(
     found: selectors.TurnContext | None, session: Session | None
 ) -> selectors.TurnContext | None:
     """A started turn's context as its admission read it, in the round trip of its lock
-    (`admission.lock_for_admission`), for the row that admission left: the user message appended
-    as the one message after the revision the read saw, and the state version raised once by
-    that append. None (read it again) when the row shows anything else."""
+    (`admission_lock.lock_for_admission`), for the row that admission left: the user message
+    appended as the one message after the revision the read saw, and the state version raised
+    once by that append. None (read it again) when the row shows anything else."""
     if found is None or session is None:
         return None
     if found.revision != (session.last_seq - 1, session.state_version - 1):
@@ -585,7 +254,7 @@ class TurnInputBuilder:
         # messages are joined here once (`EncodedMessages`).
         if not isinstance(prepared.messages, EncodedMessages):
             prepared.messages = EncodedMessages(
-                m if m.__class__ is EncodedMessage else _encoded(m) for m in prepared.messages
+                m if m.__class__ is EncodedMessage else encoded(m) for m in prepared.messages
             )
         return prepared
 
@@ -679,7 +348,7 @@ class TurnInputBuilder:
         counter, cache = self.counter, self.token_cache
         name = counter.name
 
-        def count(it: _Item) -> int:
+        def count(it: Item) -> int:
             kept = it.tokens
             if kept is None:
                 return cache.count(counter, it.key, it.data)
@@ -692,11 +361,11 @@ class TurnInputBuilder:
         # counted once per text, kept under the text itself.
         head_total = sum(cache.count(counter, ("head", h["content"]), h) for h in head)
         # A build of the stored history alone (a turn's first) may go on from the dialog's
-        # last one (`_Carried`): what it walked, counted and joined then is not done again.
+        # last one (`Carried`): what it walked, counted and joined then is not done again.
         key = (session.generation, through, budget, head_total, name)
         carries = not pending and not exclude_turn_partials and bool(history)
         carried = self.carried.get(session.pk) if carries else None
-        window = _go_on(carried, key, history, through, budget, count) if carried else None
+        window = go_on(carried, key, history, through, budget, count) if carried else None
         if window is not None:
             body = list(window.datas)
             jsons: list[bytes] | None = window.jsons
@@ -708,12 +377,12 @@ class TurnInputBuilder:
             body = [it.data for it in items[start:]]
             jsons = None
             if carries and items:
-                window = _Window.of(items, start, total - head_total, plain=plain)
+                window = Window.of(items, start, total - head_total, plain=plain)
                 jsons = window.jsons
         if carries and window is not None:
             self.carried.put(
                 session.pk,
-                _Carried(
+                Carried(
                     key=key,
                     first=history[0].pk,
                     last=history[-1].pk,
@@ -737,7 +406,7 @@ class TurnInputBuilder:
         if jsons is not None:
             # F7: the request body's JSON, joined here in one go from the items' own
             # (`EncodedMessages`), not message by message.
-            messages = _joined_input(head, body, at, jsons)
+            messages = joined_input(head, body, at, jsons)
         else:
             messages = head + body
         return PreparedInput(
@@ -757,17 +426,17 @@ class TurnInputBuilder:
         budget: int,
         head_total: int,
         count: Any,
-    ) -> tuple[list[_Item], int, int, bool]:
+    ) -> tuple[list[Item], int, int, bool]:
         """The model input's items from the stored `history` and this turn's `pending`
         messages, the first one the budget keeps, the tokens of the head and of what it
-        keeps, and whether every stored message of it was a plain one (`_Replayed.plain`)."""
-        items: list[_Item] = []
+        keeps, and whether every stored message of it was a plain one (`Replayed.plain`)."""
+        items: list[Item] = []
         answers: dict[str, int] = {}
         # This walk runs for every message of the window before every first token: the
         # usual message (`plain`) costs a lookup and an append.
         tools = mixed = False
         for m in history:
-            r = m.__dict__.get(_REPLAYED) or _replayed(m)
+            r = m.__dict__.get(REPLAYED) or replayed(m)
             if r.skipped or m.seq <= through:
                 continue
             if exclude_turn_partials and m.status and str(m.turn_id) == exclude_turn_partials:
@@ -778,12 +447,12 @@ class TurnInputBuilder:
                     answers[r.id] = len(items) - 1
             else:
                 tools, mixed = tools or r.tool, True
-                _replay(items, answers, m, r)
+                replay(items, answers, m, r)
         for p in pending:
             tools = tools or p.role == "tool" or bool(p.tool_calls)
-            items.append(_Item(message_to_openai(p), None, in_turn=True))
+            items.append(Item(message_to_openai(p), None, in_turn=True))
         if tools:
-            items = _sanitize_tool_pairs(items)
+            items = sanitize_tool_pairs(items)
 
             # C8: trim oversized tool results of earlier turns, in the model input only.
             limit = settings.CHAT["TOOL_RESULT_TRIM_CHARS"]
@@ -791,7 +460,7 @@ class TurnInputBuilder:
                 content = it.data["content"]
                 if not it.in_turn and it.data["role"] == "tool" and len(content) > limit:
                     key = ("trimmed", it.key) if it.key is not None else None
-                    items[i] = _Item(
+                    items[i] = Item(
                         {**it.data, "content": content[:limit] + TRIMMED_NOTE}, key, seq=it.seq
                     )
 

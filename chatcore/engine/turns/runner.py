@@ -24,6 +24,7 @@ from ..provider_errors import answer_token_limit, merge_usage
 from ..provider_types import ChatProvider, Completion, ProviderError, ProviderEvent, TextDelta
 from ..tools import ToolContext, ToolRegistry
 from .builder import PreparedInput, RuntimeInfo, TurnInputBuilder
+from .items import message_to_openai
 from .outcome import Completed, Failed, FailureKind, Notice, PendingMessage, TurnOutcome
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class TurnSnapshot:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set once the turn's first frame is on its way (the channel layer took it), by the
     # turn's publisher (`snapshots.publish_snapshots`); made by the worker before the runner
-    # starts (`Workers._run_cancellable`). None: nobody publishes, nothing to wait for.
+    # starts (`TurnRuns._run_cancellable`). None: nobody publishes, nothing to wait for.
     first_sent: asyncio.Event | None = None
     # The answer as pieces, joined only when read (at most a few times a second): appending
     # to one growing string would copy the whole answer at every token (STYLE 18).
@@ -474,8 +475,6 @@ class TurnRunner:
         raise ProviderError("bad_response", "the model stream ended without a result")
 
     def _record(self, message: PendingMessage, messages: list[dict[str, Any]]) -> None:
-        from .builder import message_to_openai
-
         self.pending.append(message)
         item = message_to_openai(message)
         messages.append(item)

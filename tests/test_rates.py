@@ -106,6 +106,44 @@ async def test_a_burst_of_sends_is_charged_exactly_in_a_few_round_trips_to_redis
         await rates.acharge(7374, rates.SEND, cfg)
 
 
+async def test_a_request_far_under_its_budget_goes_on_while_its_count_is_made(
+    redis_url: str, fixed_clock: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # covers: F7, G6 (once a counter is known far under its budget, a request does not wait
+    # for its count; near the budget each waits again, and the budget stays exact)
+    from django.core.cache.backends.redis import RedisCache
+
+    cfg = {"RATE_LIMIT_PER_MINUTE": 10, "WRITE_RATE_PER_MINUTE": 100}
+    user_id = 70_000 + uuid.uuid4().int % 10_000
+    caches = on_redis(redis_url)
+    with override_settings(CACHES=caches):
+        await rates.acharge(user_id, rates.SEND, cfg)  # the minute's first waits: count 1
+        gate = threading.Event()
+        real_count = rates._redis.count
+
+        def held(backend: Any, keys: list[str], now: float) -> list[int]:
+            gate.wait(10)
+            return real_count(backend, keys, now)
+
+        monkeypatch.setattr(rates._redis, "count", held)
+        for _ in range(4):  # counts 2 to 5: at most half the budget on its way
+            await asyncio.wait_for(rates.acharge(user_id, rates.SEND, cfg), 0.5)
+        sixth = asyncio.ensure_future(rates.acharge(user_id, rates.SEND, cfg))
+        await asyncio.sleep(0.3)
+        assert not sixth.done()  # it would pass half the budget: it waits for its count
+        gate.set()
+        await asyncio.wait_for(sixth, 5)
+        for _ in range(4):  # counts 7 to 10, each waited for
+            await rates.acharge(user_id, rates.SEND, cfg)
+        with pytest.raises(RateLimited):
+            await rates.acharge(user_id, rates.SEND, cfg)
+    # Every request was counted once, the refused one too.
+    counters = RedisCache(redis_url, {"KEY_PREFIX": caches["default"]["KEY_PREFIX"]})
+    key = f"rl:send:{user_id}:{int(NOW // 60)}"
+    assert counters.get(key) == 11
+    counters.delete(key)
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.both_dbs
 async def test_a_send_over_its_rate_is_refused_before_its_admission_and_changes_nothing(
@@ -266,3 +304,31 @@ def test_while_redis_does_not_answer_this_process_counts(
         rates.charge(user_id + 1, rates.SEND, cfg)  # another user: a count of their own
     warned = [r for r in caplog.records if "rate counters" in r.getMessage()]
     assert len(warned) == 1 and "counting here" in warned[0].getMessage()
+
+
+def test_the_counts_waiting_for_a_trip_are_bounded() -> None:
+    # covers: I3 (while a trip to the cache server is held, at most `max_waiting` items wait
+    # for the next; one more is refused at once, and those that waited are counted after)
+    from chatcore.common.dbthreads import Batch
+    from chatcore.common.errors import Overloaded
+
+    gate = threading.Event()
+    trips: list[list[str]] = []
+
+    def run_many(items: list[str]) -> list[int]:
+        trips.append(items)
+        gate.wait(10)
+        return [len(item) for item in items]
+
+    batch: Batch[str, int] = Batch("bounded", run_many, max_waiting=2)
+    first = batch.start("a")
+    deadline = time.monotonic() + 5
+    while not trips:  # the first trip is under way, holding
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    waiting = [batch.start("bb"), batch.start("ccc")]
+    with pytest.raises(Overloaded):
+        batch.start("dddd")
+    gate.set()
+    assert [f.result(5) for f in (first, *waiting)] == [1, 2, 3]
+    assert trips == [["a"], ["bb", "ccc"]]

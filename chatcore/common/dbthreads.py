@@ -32,6 +32,8 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connections
 
+from chatcore.common.errors import Overloaded
+
 P = ParamSpec("P")
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741 (an item)
@@ -262,11 +264,19 @@ class Batch(Generic[I, R]):
     on, and which is settled the moment the trip is back, however busy the loop is."""
 
     def __init__(
-        self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256
+        self,
+        name: str,
+        run_many: Callable[[list[I]], list[R]],
+        *,
+        max_batch: int = 256,
+        max_waiting: int = 10_000,
     ) -> None:
         self.name = name
         self.run_many = run_many
         self.max_batch = max_batch
+        # I3: items waiting for a trip at most (a server that answers slowly holds each trip
+        # up to its timeout); past it an item is refused with `Overloaded`.
+        self.max_waiting = max_waiting
         self._items: list[tuple[I, concurrent.futures.Future[R]]] = []
         self._ready = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -281,6 +291,8 @@ class Batch(Generic[I, R]):
         set on the trip's thread."""
         future: concurrent.futures.Future[R] = concurrent.futures.Future()
         with self._ready:
+            if len(self._items) >= self.max_waiting:
+                raise Overloaded()
             self._items.append((item, future))
             if self._thread is None:
                 self._thread = threading.Thread(

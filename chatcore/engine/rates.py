@@ -16,6 +16,8 @@ counts stand in, so an outage neither locks anybody out nor lifts the budget (G5
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import re
 import threading
@@ -47,10 +49,11 @@ def _cfg(cfg: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
     """Count one request against the user's budget for this minute; over it raises
-    `RateLimited`. A cache call: run it off the event loop (`acharge`)."""
+    `RateLimited`. A cache call: run it off the event loop (`acharge`), which lets a request
+    far under its budget go on while its count is made."""
     now = time.time()
     key = _budget_key(user_id, budget, now)
-    _counted(key, _count_many([key], now)[0], budget, cfg, now)
+    _counted(key, _count_many([key], now)[0], budget, _limit(budget, cfg), now)
 
 
 async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
@@ -63,26 +66,38 @@ async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | Non
     # A cache server (scaled mode): off the loop, with the charges made meanwhile.
     now = time.time()
     key = _budget_key(user_id, budget, now)
-    _minute.refuse_known_over(key, budget, cfg, now)
-    _counted(key, await _COUNTS.run(key), budget, cfg, now)
+    limit = _limit(budget, cfg)
+    _minute.refuse_known_over(key, limit, budget, now)
+    if _minute.charge_ahead(key, limit):
+        # Far under the budget: the request goes on while its count is made (G6: a send's
+        # first token does not wait for the cache server's round trip).
+        try:
+            counting = _COUNTS.start(key)
+        except BaseException:
+            _minute.answered(key, None)
+            raise
+        counting.add_done_callback(functools.partial(_minute.answered, key))
+        return
+    _counted(key, await _COUNTS.run(key), budget, limit, now)
+
+
+def _limit(budget: str, cfg: Mapping[str, Any] | None) -> int:
+    return int(_cfg(cfg)[_BUDGETS[budget]])
 
 
 def _budget_key(user_id: int, budget: str, now: float) -> str:
     return f"rl:{budget}:{user_id}:{int(now // 60)}"
 
 
-def _refuse_over(count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-    if count > int(_cfg(cfg)[_BUDGETS[budget]]):
+def _refuse_over(count: int, budget: str, limit: int, now: float) -> None:
+    if count > limit:
         message = None if budget == SEND else _write_message()
         raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
 
 
-def _counted(key: str, count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-    try:
-        _refuse_over(count, budget, cfg, now)
-    except RateLimited:
-        _minute.seen_over(key, count)
-        raise
+def _counted(key: str, count: int, budget: str, limit: int, now: float) -> None:
+    _minute.seen(key, count)
+    _refuse_over(count, budget, limit, now)
 
 
 def _write_message() -> str:
@@ -93,36 +108,61 @@ def _write_message() -> str:
 
 class _ThisMinute:
     """What this process knows of the current minute's counters (keys name their minute;
-    both maps are emptied when it changes):
-    - counters seen over their budget, with the count seen: a counter only grows within its
-      minute, so the next request against one is refused here, with no round trip;
+    the maps are emptied when it changes):
+    - the highest count seen of each counter: a counter only grows within its minute, so a
+      request against one seen over its budget is refused here, with no round trip; and
+      one seen far under it (with this process's charges still on their way, at most half
+      the budget) is let go while its count is made (`charge_ahead`): only another process's
+      requests in the same moment could take it over, and its next charge waits again;
     - its own counts, which stand in for Redis's while Redis does not answer."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._minute = 0
-        self._over: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
+        self._ahead: dict[str, int] = {}
         self._own: dict[str, int] = {}
 
     def _turn(self, now: float) -> None:
         minute = int(now // 60)
         if minute != self._minute:
-            self._over.clear()
+            self._seen.clear()
+            self._ahead.clear()
             self._own.clear()
             self._minute = minute
 
-    def refuse_known_over(
-        self, key: str, budget: str, cfg: Mapping[str, Any] | None, now: float
-    ) -> None:
+    def refuse_known_over(self, key: str, limit: int, budget: str, now: float) -> None:
         with self._lock:
             self._turn(now)
-            seen = self._over.get(key)
-        if seen is not None:
-            _refuse_over(seen, budget, cfg, now)
+            seen = self._seen.get(key, 0)
+        _refuse_over(seen, budget, limit, now)
 
-    def seen_over(self, key: str, count: int) -> None:
+    def charge_ahead(self, key: str, limit: int) -> bool:
+        """Whether a request against `key` may go on before its count is back (then counted
+        as on its way)."""
         with self._lock:
-            self._over[key] = count
+            seen = self._seen.get(key)
+            ahead = self._ahead.get(key, 0)
+            if seen is None or 2 * (seen + ahead + 1) > limit:
+                return False
+            self._ahead[key] = ahead + 1
+            return True
+
+    def answered(self, key: str, counted: concurrent.futures.Future[int] | None) -> None:
+        """A count made ahead is back (on the counting thread), or was never sent (None)."""
+        with self._lock:
+            if key in self._ahead:
+                self._ahead[key] -= 1
+        if counted is None:
+            return
+        if counted.exception() is not None:
+            logger.warning("rate counters: a count made ahead failed: %s", counted.exception())
+            return
+        self.seen(key, counted.result())
+
+    def seen(self, key: str, count: int) -> None:
+        with self._lock:
+            self._seen[key] = max(count, self._seen.get(key, 0))
 
     def count_here(self, keys: list[str], now: float) -> list[int]:
         with self._lock:

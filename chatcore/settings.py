@@ -227,7 +227,7 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {"hosts": [{"address": REDIS_URL, **REDIS_OPTIONS}]},
         }
     }
 else:

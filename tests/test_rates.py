@@ -332,3 +332,26 @@ def test_the_counts_waiting_for_a_trip_are_bounded() -> None:
     gate.set()
     assert [f.result(5) for f in (first, *waiting)] == [1, 2, 3]
     assert trips == [["a"], ["bb", "ccc"]]
+
+
+def test_what_the_process_knows_of_counters_is_only_this_minutes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # covers: I3, F7 (the counts this process has seen are kept for their minute only: a
+    # server that runs for months does not keep one entry per user and minute)
+    cfg = {"RATE_LIMIT_PER_MINUTE": 5, "WRITE_RATE_PER_MINUTE": 5}
+    users = [60_000 + uuid.uuid4().int % 10_000 + n for n in range(3)]
+    with override_settings(
+        CACHES={
+            "default": {
+                "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                "LOCATION": uuid.uuid4().hex,
+            }
+        }
+    ):
+        for minute in range(3):
+            now = NOW + 60 * minute
+            monkeypatch.setattr(rates, "time", types.SimpleNamespace(time=lambda now=now: now))
+            for user_id in users:
+                rates.charge(user_id, rates.SEND, cfg)
+            assert all(key.endswith(f":{int(now // 60)}") for key in rates._minute._seen)

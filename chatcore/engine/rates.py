@@ -96,7 +96,7 @@ def _refuse_over(count: int, budget: str, limit: int, now: float) -> None:
 
 
 def _counted(key: str, count: int, budget: str, limit: int, now: float) -> None:
-    _minute.seen(key, count)
+    _minute.seen(key, count, now)
     _refuse_over(count, budget, limit, now)
 
 
@@ -158,10 +158,11 @@ class _ThisMinute:
         if counted.exception() is not None:
             logger.warning("rate counters: a count made ahead failed: %s", counted.exception())
             return
-        self.seen(key, counted.result())
+        self.seen(key, counted.result(), time.time())
 
-    def seen(self, key: str, count: int) -> None:
+    def seen(self, key: str, count: int, now: float) -> None:
         with self._lock:
+            self._turn(now)
             self._seen[key] = max(count, self._seen.get(key, 0))
 
     def count_here(self, keys: list[str], now: float) -> list[int]:

@@ -29,6 +29,11 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    return float(raw) if raw else default
+
+
 def _env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
@@ -419,8 +424,11 @@ LLM: dict[str, Any] = {
     "CONTEXT_WINDOWS": _env_windows("LLM_CONTEXT_WINDOWS"),
     "MODELS_REFRESH_SECONDS": 300,
     "MODELS_TIMEOUT": 5.0,
-    "CONNECT_TIMEOUT": 10.0,
-    "READ_TIMEOUT": 120.0,
+    # I3: seconds to open a connection to the model server, and the longest silence while
+    # waiting for its answer (before the first token or between two): past it the turn ends
+    # `failed`, keeping what arrived.
+    "CONNECT_TIMEOUT": _env_float("LLM_CONNECT_TIMEOUT", 10.0),
+    "READ_TIMEOUT": _env_float("LLM_READ_TIMEOUT", 120.0),
     "MAX_RETRIES": 3,
     "RETRY_BASE_DELAY": 0.5,
     # E5: cap on answer tokens per request (0 = what the window leaves after the input), and
@@ -432,7 +440,7 @@ LLM: dict[str, Any] = {
     # STYLE 6: no cap on concurrent connections (CHAT_MODEL_CALLS_MAX bounds the calls), a
     # small keep-alive pool, and a short wait for a pooled connection.
     "MAX_KEEPALIVE_CONNECTIONS": _env_int("LLM_MAX_KEEPALIVE_CONNECTIONS", 10),
-    "POOL_TIMEOUT": 5.0,
+    "POOL_TIMEOUT": _env_float("LLM_POOL_TIMEOUT", 5.0),
     # F3, I3: how much of a model server's answer is read: one server-sent event line, the
     # decompressed stream (bytes, and ratio to what arrived), the start of an error body.
     "MAX_EVENT_BYTES": _env_int("LLM_MAX_EVENT_BYTES", 1024 * 1024),

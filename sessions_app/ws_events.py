@@ -12,16 +12,11 @@ and the client's frames.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
-from channels.layers import get_channel_layer
 from django.contrib.auth.models import User
 
 from chatcore.common import events, publish
@@ -50,40 +45,6 @@ def _membership(frame: dict[str, Any]) -> tuple[str | None, frozenset[str]]:
     return frame["current"], frozenset(item["session_id"] for item in frame["items"])
 
 
-async def dispatch_in_turn(
-    sources: list[Callable[[], Awaitable[dict[str, Any]]]],
-    dispatch: Callable[[dict[str, Any]], Awaitable[None]],
-) -> None:
-    """What channels' `await_many_dispatch` does for a consumer (each message of `sources`
-    dispatched in the order its source gave it, one dispatch at a time, the next message of
-    a source read once its last one was dispatched), with fewer turns of the event loop per
-    message: each source has one task that reads it and dispatches what it read there and
-    then, under a lock the sources share. channels makes a task per message and waits for
-    it with `asyncio.wait`, whose callback wakes the consumer's own task: three turns of the
-    loop between a frame put in the consumer's queue and its send to the socket, where this
-    takes one (every frame of every stream, and a turn's first token, pay them on the loop
-    all sockets share). Ends with the first source task that ends: `StopConsumer` or an
-    error of a dispatch is raised here, and the other task is cancelled."""
-    dispatching = asyncio.Lock()
-
-    async def pump(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        while True:
-            message = await receive()
-            async with dispatching:  # taken at once when no other dispatch is under way
-                await dispatch(message)
-
-    pumps = [asyncio.ensure_future(pump(receive)) for receive in sources]
-    try:
-        done, _pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            task.result()
-    finally:
-        for task in pumps:
-            task.cancel()
-        # Their ends collected (the one raised above included), none raised again here.
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-
 class ChatEventsConsumer(AsyncWebsocketConsumer):
     """The relaying half of the web chat's socket (see the module docstring)."""
 
@@ -104,19 +65,6 @@ class ChatEventsConsumer(AsyncWebsocketConsumer):
     # The current dialog was deleted elsewhere and no other was left: the next frame that
     # needs it resolves one as in B1.
     current_gone = False
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        """channels' `AsyncConsumer.__call__`, dispatching with `dispatch_in_turn`."""
-        self.scope = scope
-        self.channel_layer = get_channel_layer(self.channel_layer_alias)
-        sources = [receive]
-        if self.channel_layer is not None:
-            self.channel_name = await self.channel_layer.new_channel()
-            self.channel_receive = functools.partial(self.channel_layer.receive, self.channel_name)
-            sources.append(self.channel_receive)
-        self.base_send = send
-        with contextlib.suppress(StopConsumer):
-            await dispatch_in_turn(sources, self.dispatch)
 
     def start_relaying(self) -> None:
         """Per-connection state, set once the connection is authenticated."""

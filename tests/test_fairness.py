@@ -504,7 +504,7 @@ def test_the_provider_client_does_not_cap_connections() -> None:
         model="m",
         max_keepalive_connections=settings.LLM["MAX_KEEPALIVE_CONNECTIONS"],
     )
-    transport = provider._client._transport
+    transport = provider._transport
     # The transport has no connection cap at all; only its keep-alive pool is bounded.
     assert isinstance(transport, ModelTransport)
     assert transport._max_idle == settings.LLM["MAX_KEEPALIVE_CONNECTIONS"]

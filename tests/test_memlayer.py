@@ -4,10 +4,12 @@ capacity, expiry), only without sweeping everything at every message."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 
 import pytest
 from channels.exceptions import ChannelFull
-from channels.layers import get_channel_layer
+from channels.layers import InMemoryChannelLayer, get_channel_layer
 
 from chatcore.common import memlayer
 from chatcore.common.memlayer import LocalChannelLayer
@@ -87,3 +89,29 @@ async def test_unread_messages_expire_and_their_channel_leaves_its_groups(
     assert dead not in layer.groups["g"]
     assert (await layer.receive(live))["type"] == "new"
     assert dead not in layer.channels
+
+
+async def test_the_parts_of_channels_it_builds_on_are_as_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # covers: I2 (measured against channels 4.3.2: the layer overrides the private
+    # `_clean_expired`, puts `(expires_at, message)` in the base's `channels` queues and reads
+    # the base's `groups`; an upgrade that changes any of them fails here)
+    assert list(inspect.signature(InMemoryChannelLayer._clean_expired).parameters) == ["self"]
+    stock = InMemoryChannelLayer(expiry=60, capacity=5)
+    channel = await stock.new_channel()
+    await stock.group_add("g", channel)
+    assert list(stock.groups["g"]) == [channel]
+    await stock.send(channel, {"type": "a"})
+    queue = stock.channels[channel]
+    assert isinstance(queue, asyncio.Queue) and queue.maxsize == 5
+    expires_at, message = queue.get_nowait()
+    assert message == {"type": "a"} and 59 < expires_at - time.time() <= 60
+    # An entry in that shape, past its time, is swept by the base, and its channel leaves
+    # its groups.
+    queue.put_nowait((expires_at, message))
+    monkeypatch.setattr(time, "time", lambda: expires_at + 1)
+    stock._clean_expired()
+    assert channel not in stock.channels and channel not in stock.groups["g"]
+    await stock.flush()
+    assert stock.channels == {} and stock.groups == {}

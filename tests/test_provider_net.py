@@ -123,6 +123,14 @@ async def collect(provider: OpenAIProvider) -> tuple[list[str], Completion]:
     raise AssertionError("no completion")
 
 
+async def answers_on_one_connection(provider: OpenAIProvider, server: Server, text: str) -> None:
+    """Two answers of `text`, streamed whole, on the one connection kept alive between them."""
+    for _ in range(2):
+        deltas, done = await collect(provider)
+        assert "".join(deltas) == done.text == text
+    assert server.connections == 1
+
+
 async def failure_of(provider: OpenAIProvider) -> str:
     """The kind of the `ProviderError` an answer fails with."""
     with pytest.raises(ProviderError) as failed:
@@ -152,7 +160,7 @@ async def test_the_model_client_uses_its_own_connections_and_keeps_them_alive(se
     # covers: E5, F7, STYLE 6 (issue 10 item 1: streaming costs the loop as little as it can)
     server, url = await serve(answer(["Hel", "lo"]))
     provider = provider_for(url)
-    assert isinstance(provider._client._transport, ModelTransport)
+    assert isinstance(provider._transport, ModelTransport)
     for _ in range(3):
         deltas, done = await collect(provider)
         assert "".join(deltas) == done.text == "Hello"
@@ -172,10 +180,7 @@ def test_the_model_client_streams_on_uvloop_too() -> None:
         server = Server(answer(["Hel", "lo ", "there"]))
         url = await server.start()
         provider = provider_for(url)
-        for _ in range(2):
-            deltas, done = await collect(provider)
-            assert "".join(deltas) == done.text == "Hello there"
-        assert server.connections == 1
+        await answers_on_one_connection(provider, server, "Hello there")
         await provider.aclose()
         await server.stop()
 
@@ -326,10 +331,7 @@ async def test_answers_stream_over_tls(serve, tmp_path: Path) -> None:
     server, url = await serve(answer(["sec", "ure"], step=5), tls=server_tls)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=2)
     provider = provider_for(url, transport=ModelTransport(limits=limits, verify=client_tls))
-    for _ in range(2):
-        deltas, done = await collect(provider)
-        assert "".join(deltas) == done.text == "secure"
-    assert server.connections == 1
+    await answers_on_one_connection(provider, server, "secure")
     await provider.aclose()
 
 

@@ -577,8 +577,8 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     make_engine, fake_model, make_user, settings, monkeypatch
 ):
     # covers: G6, F7 (issue 10: a hundred sends at once; a turn already admitted is built
-    # ahead of the admissions still waiting for a database thread, so its first token does
-    # not wait for the burst's last admission)
+    # while the burst's other sends are admitted, a batch per transaction, so its first token
+    # does not wait for the burst's last admission)
     from asgiref.sync import sync_to_async
 
     from chatcore.common import dbthreads
@@ -611,7 +611,7 @@ async def test_a_burst_s_first_turn_reaches_the_model_before_the_burst_s_last_ad
     await engine.wait_idle()
     assert log.count("model request") == width
     # The first turn's request came once the first admissions were through, not after the
-    # admissions queued behind them (without the order: after two thirds of the burst).
+    # admissions queued behind them.
     assert log[: log.index("model request")].count("admitted") <= dbthreads.thread_count(), log
 
 
@@ -718,26 +718,6 @@ async def test_a_turn_whose_build_began_after_its_admission_committed_keeps_the_
         "answer 1",
         "question 2",
     ]
-
-
-def test_a_started_turn_s_database_work_goes_before_the_calls_still_waiting() -> None:
-    # covers: G6, F7 (the database threads' order: first in line for a started turn's work)
-    from chatcore.common.dbthreads import DatabaseThreads
-
-    threads = DatabaseThreads(2, "order-test")
-    gate = threading.Event()
-    order: list[str] = []
-    busy = [threads.submit(gate.wait, 10) for _ in range(2)]
-    waiting = [threads.submit(order.append, f"admission {i}") for i in range(5)]
-    first = threads.submit_first(lambda: order.append("started turn"))
-    gate.set()
-    for future in [*busy, *waiting, first]:
-        future.result(timeout=10)
-    assert order[0] == "started turn"
-    assert sorted(order[1:]) == order[1:] == [f"admission {i}" for i in range(5)]
-    threads.shutdown()
-    with pytest.raises(RuntimeError):
-        threads.submit(order.append, "late")
 
 
 async def test_a_started_turns_user_message_reaches_the_socket_before_any_of_its_answer(

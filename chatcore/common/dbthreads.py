@@ -4,8 +4,11 @@ Django's async ORM story (`sync_to_async` with its default `thread_sensitive=Tru
 call of the process on one thread, so one dialog's slow history read or a storage write
 waiting out a lock holds up `/stop`, admission and every other dialog behind it. Async code
 here runs its database work through `on_db(fn)(...)` instead: a small pool of threads
-(`CHAT["DB_THREADS"]`), so calls of independent dialogs run side by side. Calls of one dialog
-still run one after another, because the coroutine that makes them awaits each.
+(`CHAT["DB_THREADS"]`, a `concurrent.futures.ThreadPoolExecutor` handed to asgiref's
+`sync_to_async`), so calls of independent dialogs run side by side, in the order they came.
+Calls of one dialog still run one after another, because the coroutine that makes them
+awaits each. (A pool of the project's own that ran a started turn's build ahead of the calls
+waiting measured no better end to end: `bench/notes/others.md`.)
 
 Connections: every thread keeps its own. On SQLite it stays open (`CONN_MAX_AGE=None`: opening
 one costs more than most queries); on PostgreSQL it goes back to Django's connection pool
@@ -24,7 +27,6 @@ import contextvars
 import functools
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -42,99 +44,32 @@ R = TypeVar("R")
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_executor: DatabaseThreads | None = None
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def thread_count() -> int:
     return max(1, int(settings.CHAT.get("DB_THREADS", 6)))
 
 
-class DatabaseThreads(concurrent.futures.Executor):
-    """A fixed set of threads taking calls in order, except that a call that carries on work
-    already admitted (`submit_first`: a started turn's input) goes before the calls still
-    waiting. A burst of a hundred sends queues a hundred admissions; a turn admitted first
-    must not wait for all of them before its model request, or every first token of the
-    burst waits for the last admission."""
-
-    def __init__(self, workers: int, name: str) -> None:
-        self._workers = workers
-        self._name = name
-        self._first: deque[_Work] = deque()
-        self._rest: deque[_Work] = deque()
-        self._ready = threading.Condition(threading.Lock())
-        self._threads: list[threading.Thread] = []
-        self._shutdown = False
-
-    def submit(
-        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future[T]:
-        return self._put(self._rest, functools.partial(fn, *args, **kwargs))
-
-    def submit_first(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """`submit`, ahead of every call that is still waiting."""
-        return self._put(self._first, fn)
-
-    def _put(self, line: deque[_Work], fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._ready:
-            if self._shutdown:
-                raise RuntimeError("the database threads are shut down")
-            if not self._threads:
-                for i in range(self._workers):
-                    thread = threading.Thread(
-                        target=self._work, name=f"{self._name}_{i}", daemon=True
-                    )
-                    thread.start()
-                    self._threads.append(thread)
-            line.append((future, fn))
-            self._ready.notify()
-        return future
-
-    def _work(self) -> None:
-        while True:
-            with self._ready:
-                while not self._first and not self._rest and not self._shutdown:
-                    self._ready.wait()
-                if self._first:
-                    future, fn = self._first.popleft()
-                elif self._rest:
-                    future, fn = self._rest.popleft()
-                else:
-                    return  # shut down, nothing left
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            del future, fn
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._ready:
-            self._shutdown = True
-            if cancel_futures:
-                for line in (self._first, self._rest):
-                    while line:
-                        line.popleft()[0].cancel()
-            self._ready.notify_all()
-        if wait:
-            for thread in self._threads:
-                thread.join()
-
-
-_Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
-
-
-def executor() -> DatabaseThreads:
+def executor() -> concurrent.futures.ThreadPoolExecutor:
     """The process's database threads (created on first use)."""
     global _executor
     if _executor is None:
         with _lock:
             if _executor is None:
-                _executor = DatabaseThreads(thread_count(), "chat-db")
+                _executor = concurrent.futures.ThreadPoolExecutor(
+                    thread_count(), thread_name_prefix="chat-db"
+                )
     return _executor
+
+
+def under_sync_caller() -> bool:
+    """Whether this runs under `async_to_sync` called from synchronous code (an admin action,
+    a management command, a Celery task), whose thread may hold a connection and an open
+    transaction. asgiref (measured: 3.13.0) keeps that caller's executor in
+    `AsyncToSync.executors.current`, which it does not document; `tests/test_dbthreads.py`
+    fails if an upgrade changes it (SPEC I2)."""
+    return getattr(AsyncToSync.executors, "current", None) is not None
 
 
 def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
@@ -143,12 +78,9 @@ def on_db(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
     Called under `async_to_sync` from a synchronous caller (an admin action, a management
     command, a Celery task), it runs on that caller's thread instead, as Django's own
     `sync_to_async` does: the call then sees the caller's connection and open transaction."""
-    if getattr(AsyncToSync.executors, "current", None) is not None:
+    if under_sync_caller():
         return sync_to_async(fn, thread_sensitive=True)
-    # asgiref's stubs name ThreadPoolExecutor; it only calls the executor's `submit`.
-    return sync_to_async(  # type: ignore[call-overload]
-        functools.partial(_call, fn), thread_sensitive=False, executor=executor()
-    )
+    return sync_to_async(functools.partial(_call, fn), thread_sensitive=False, executor=executor())
 
 
 def on_db_idempotent(fn: Callable[P, T]) -> Callable[P, Coroutine[Any, Any, T]]:
@@ -182,18 +114,15 @@ def _connection_lost() -> bool:
     return any(conn.connection is not None and not conn.is_usable() for conn in opened)
 
 
-def start_on_db(fn: Callable[[], T], *, first: bool = False) -> concurrent.futures.Future[T] | None:
+def start_on_db(fn: Callable[[], T]) -> concurrent.futures.Future[T] | None:
     """`fn` handed to a database thread now, not when the caller next awaits: for work
     meant to run beside the call under way (a started turn's build while its admission
-    commits); `first`: ahead of the calls still waiting (work of a turn already started,
-    `DatabaseThreads.submit_first`). The thread's own future: the loop waits on it through
-    `asyncio.wrap_future`, or takes its result once done. None for a synchronous caller,
-    whose calls run on its own thread one after another."""
-    if getattr(AsyncToSync.executors, "current", None) is not None:
+    commits). The thread's own future: the loop waits on it through `asyncio.wrap_future`,
+    or takes its result once done. None for a synchronous caller, whose calls run on its own
+    thread one after another."""
+    if under_sync_caller():
         return None
-    context = contextvars.copy_context()
-    call = functools.partial(context.run, _call, fn)
-    return executor().submit_first(call) if first else executor().submit(call)
+    return executor().submit(contextvars.copy_context().run, _call, fn)
 
 
 def _call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -230,7 +159,7 @@ class Lane:
         self._drainer: asyncio.Task[None] | None = None
 
     async def run(self, fn: Callable[[], T]) -> T:
-        if getattr(AsyncToSync.executors, "current", None) is not None:
+        if under_sync_caller():
             return await on_db(fn)()  # a synchronous caller's thread and transaction
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
@@ -282,7 +211,7 @@ class Batch(Generic[I, R]):
         self._thread: threading.Thread | None = None
 
     async def run(self, item: I) -> R:
-        if getattr(AsyncToSync.executors, "current", None) is not None:
+        if under_sync_caller():
             return (await on_db(self.run_many)([item]))[0]  # a synchronous caller's thread
         return await asyncio.wrap_future(self.start(item))
 

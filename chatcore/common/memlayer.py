@@ -1,19 +1,20 @@
 """The embedded mode's channel layer: Channels' in-memory layer without its per-message sweeps.
 
-`channels.layers.InMemoryChannelLayer` walks every channel and every group membership of the
-process at each `group_send` and each `receive` (expiry cleanup), starts a task per recipient
-and deep-copies the message for each. With a hundred sockets streaming snapshots that walk is
-most of the event loop's time. This layer keeps the same behaviour (same capacity, same expiry
-of unread messages and of group memberships, each recipient its own copy of the message) and
-does the cleanup at most once per `CLEAN_INTERVAL_SECONDS`: expiry is counted in a minute
-(messages) and a day (memberships), so sweeping once a second changes nothing a client sees.
+`channels.layers.InMemoryChannelLayer` (measured against channels 4.3.2) sweeps every channel
+and group membership for expired entries at each `group_send` and each `receive`, and starts a
+task per recipient of a group message. Here the sweep runs at most once per
+`CLEAN_INTERVAL_SECONDS` (expiry is counted in a minute for messages and a day for
+memberships, so no client sees the difference) and a group message goes straight into each
+member's queue, each its own copy; capacity and expiry are the base's. Beside the stock layer
+at 100 streams it halves the CPU per stream (`bench/notes/others.md`). It overrides the
+base's private `_clean_expired` and shares its `channels` and `groups`:
+`tests/test_memlayer.py` fails if an upgrade changes them (SPEC I2).
 
-A member whose channel is full (a connection that stopped reading: `capacity` messages behind)
-misses a group message, as in Channels; here each miss is counted (`dropped`) and logged, at
-most once per `DROP_LOG_INTERVAL_SECONDS` with the count since the last line, so an operator
-sees it and the log is not flooded. The client that missed a snapshot tail sees a gap in the
-next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that missed a
-history delta sees a gap in the revisions and asks for the history (D3).
+A member whose channel is full (a connection `capacity` messages behind) misses a group
+message, as in Channels; each miss is counted (`dropped`, shown by `/healthz`) and logged, at
+most once per `DROP_LOG_INTERVAL_SECONDS`. The client that missed a snapshot tail sees a gap
+in the next one and is sent a full snapshot (`ChannelConnection.relay_snapshot`); one that
+missed a history delta sees a gap in the revisions and asks for the history (D3).
 """
 
 from __future__ import annotations

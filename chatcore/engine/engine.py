@@ -261,14 +261,13 @@ class Engine:
         def build_beside(started: queue.Started) -> None:
             # G6: the turn's input is built from that context, on another database thread,
             # while the admission waits for its COMMIT's round trip, and its model request
-            # goes out as soon as both are done. Ahead of the admissions still waiting (a
-            # burst's first turns do not wait for its last admission).
+            # goes out as soon as both are done.
             if started.context is None:
                 return
 
             def build() -> None:
                 started.prepared = start_on_db(
-                    functools.partial(self._prepare_early, started, committed=False), first=True
+                    functools.partial(self._prepare_early, started, committed=False)
                 )
 
             # Handed over once the COMMIT is on its way: the build runs while the admission
@@ -287,7 +286,7 @@ class Engine:
             # 319 ms), the requests' loop work ahead of the admissions still to come.
             def start() -> None:
                 started.prepared = start_on_db(
-                    functools.partial(self._prepare_early, started, committed=True), first=True
+                    functools.partial(self._prepare_early, started, committed=True)
                 )
 
             transaction.on_commit(start, robust=True)

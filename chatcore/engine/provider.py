@@ -297,17 +297,9 @@ class OpenAIProvider:
 
     @contextlib.asynccontextmanager
     async def _post(self, request: httpx.Request) -> AsyncIterator[httpx.Response]:
-        """`request` sent, its response streamed: what the client's `stream` does, without
-        what it does not need (an auth flow, redirects, a cookie jar: none applies to the
-        model server, and with `_request`'s savings they cost about as much CPU as the rest
-        of the request). The transport is the one the client's `send` would pick (a client
-        given its transport mounts no proxies); with a proxy from the environment, the
-        client's `send` picks its mount."""
-        if self._transport is None:  # a proxy: the client's mount for it
-            response = await self._client.send(request, stream=True)
-        else:
-            response = await self._transport.handle_async_request(request)
-            response.request = request
+        """`request` sent by the client's own `send` (its auth, event hooks and, with a proxy
+        from the environment, its proxy mount apply, I2), its response streamed."""
+        response = await self._client.send(request, stream=True)
         try:
             yield response
         finally:
@@ -411,6 +403,11 @@ class OpenAIProvider:
                         yield TextDelta(piece)
         except httpx.TimeoutException as exc:
             raise ProviderError("timeout", "the model server timed out") from exc
+        except httpx.LocalProtocolError as exc:
+            # A request the transport refused to send (a header with CR or LF, from the
+            # settings): a retry would send the same.
+            logger.warning("model request refused: %s", scrub(str(exc)))
+            raise ProviderError("bad_request", "the model request is malformed") from exc
         except MalformedResponse as exc:
             # I3: bytes that are not HTTP/1.1 would be the same on a retry.
             logger.warning("model server sent a malformed response: %s", scrub(str(exc)))

@@ -1,27 +1,21 @@
-"""The model client's transport (E5, F7): HTTP/1.1 on plain asyncio connections.
+"""The model client's transport (E5, F7, I1): HTTP/1.1 on plain asyncio connections, under
+httpx's client (requests, responses, timeouts, errors, event hooks and auth stay httpx's).
 
-Every delta of every answer streams through here, on the event loop that every socket,
-snapshot and lease of the process shares. httpx's default transport reads through httpcore,
-h11 and anyio: each read entered a cancel scope for its timeout and asked sniffio which loop
-runs, and each server-sent event (a model server sends one HTTP chunk per event) climbed
-h11's chunk reader and five async generators on its own. At a hundred streams that was the
-loop's largest item. `ModelTransport` keeps httpx's client (requests, responses, timeouts,
-errors, content decoding) and does the HTTP/1.1 itself:
+It stays by what it measured beside the libraries that would replace it, in the same runs
+(`bench/notes/http-transport.md`): httpx's default transport (httpcore, h11) costs 70% more
+first-token time and 80% more CPU per turn and misses the guardrail; beside httpx-aiohttp
+this one is 26-39% lower on a figure of each run, and that one does not keep httpx's errors.
+`MEASURED_AGAINST` names the versions; a test fails when a new release line of one comes,
+to measure again. The framing rules (h11's, stricter where RFC 9112 asks) are in
+`provider_http`. What it does its own way:
 
-- a connection is an `asyncio.Protocol` whose buffer holds what the kernel delivered: a read
-  takes what is there without a scheduling round trip, and the read timeout is one timer per
-  connection, moved on lazily (not one timer per read). Flow control holds: reading pauses
-  past `HIGH_WATER` bytes unread and resumes once the reader caught up; a write waits while
-  the kernel's buffer is full;
-- a response is parsed in one pass per read (`ChunkedDecoder`, or by Content-Length, or up
-  to the close): the events that arrived together go up as one piece, so a busy loop pays
-  one step for all of them, never one per event;
-- the pool has no cap on connections (F7: the engine bounds model calls where users see it)
-  and keeps a few alive for the next request; one the server ended, or that was not read to
-  its end, is never reused.
+- a connection is an `asyncio.Protocol`: a read takes what arrived, and the read timeout is
+  one timer per connection, moved on lazily; reading pauses past `HIGH_WATER` unread bytes;
+- what arrived is parsed in one pass per read: the events of one read go up as one piece;
+- no cap on connections (F7), a small keep-alive pool; a connection that the server ended,
+  or that was not read to its end, is never reused.
 
-A proxy from the environment (`HTTPS_PROXY` and the like) keeps httpx's default transport,
-which knows how to use it (`provider_transport`).
+A proxy from the environment keeps httpx's default transport (`provider_transport`).
 """
 
 from __future__ import annotations
@@ -38,14 +32,16 @@ import httpx
 
 from .provider_http import (
     MAX_HEAD,
-    NO_BODY_STATUSES,
     ChunkedDecoder,
     MalformedResponse,
+    body_framing,
     parse_head,
     request_body,
     request_head,
 )
 
+# The versions of the libraries this transport was measured beside (I1).
+MEASURED_AGAINST = {"httpx": "0.29.0", "httpcore": "1.0.9", "h11": "0.16.0"}
 # The most one read hands on: what one loop step parses at most (F7), as httpcore read.
 READ_BYTES = 64 * 1024
 # Unread bytes past which the socket's reading pauses until the stream's reader catches up.
@@ -357,14 +353,17 @@ class ModelTransport(httpx.AsyncBaseTransport):
     async def _response(
         self, conn: _Connection, request: httpx.Request, timeout: float | None
     ) -> httpx.Response:
-        buffer = b""
+        buffer = bytearray()  # grown in place: a head that trickles in is copied once
+        searched = 0  # the head's end is looked for in each byte once, not once per read
+        consumed = 0  # head bytes of this response, the informational ones before it included
         while True:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD:
+            end = buffer.find(b"\r\n\r\n", max(0, searched - 3))
+            if end < 0 or consumed + end > MAX_HEAD:
+                if consumed + len(buffer) > MAX_HEAD:
                     raise MalformedResponse(
                         "the model server's response head is too long", request=request
                     )
+                searched = len(buffer)
                 data = await conn.read(timeout, request)
                 if not data:
                     raise httpx.RemoteProtocolError(
@@ -373,36 +372,19 @@ class ModelTransport(httpx.AsyncBaseTransport):
                     )
                 buffer += data
                 continue
-            version, status, reason, headers = parse_head(buffer[:end], request)
-            buffer = buffer[end + 4 :]
+            version, status, reason, headers = parse_head(bytes(buffer[:end]), request)
+            consumed += end + 4
+            del buffer[: end + 4]
+            searched = 0
             if 100 <= status < 200 and status != 101:
                 continue  # an informational response: the real one follows
             break
-        fields: dict[bytes, list[bytes]] = {}
-        for name, value in headers:
-            fields.setdefault(name.lower(), []).append(value.lower())
-        connection = b",".join(fields.get(b"connection", []))
-        keep = b"close" not in connection and (
-            version == b"HTTP/1.1" or b"keep-alive" in connection
-        )
-        codings = b",".join(fields.get(b"transfer-encoding", []))
-        chunked = codings.rsplit(b",", 1)[-1].strip() == b"chunked"
-        length: int | None = None
-        if request.method == "HEAD" or status in NO_BODY_STATUSES or status < 200:
-            # A 101 switched the connection to another protocol: never reused (I3).
-            length, chunked, keep = 0, False, keep and status >= 200
-        elif not chunked and b"content-length" in fields:
-            values = {v.strip() for v in b",".join(fields[b"content-length"]).split(b",")}
-            if len(values) != 1 or not next(iter(values)).isdigit():
-                raise MalformedResponse(
-                    "the model server sent a malformed Content-Length", request=request
-                )
-            length = int(next(iter(values)))
+        length, chunked, keep = body_framing(request.method, status, version, headers)
         body = _Body(
             self,
             conn,
             request,
-            first=buffer,
+            first=bytes(buffer),
             length=length,
             chunked=chunked,
             keep=keep,

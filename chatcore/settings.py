@@ -173,8 +173,10 @@ else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     _db = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(VAR_DIR / "chat.sqlite3")}
 if _db["ENGINE"] == "django.db.backends.sqlite3":
-    # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at BEGIN so
-    # two writers queue on busy_timeout instead of failing to upgrade a read lock.
+    # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at BEGIN, so
+    # two writers queue in SQLite's busy handler instead of failing to upgrade a read lock; a
+    # writer waits up to `timeout` seconds for the one before it, then fails "database is
+    # locked" (storage retries it, A4).
     _db["OPTIONS"] = {
         "transaction_mode": "IMMEDIATE",
         "timeout": 20,
@@ -183,9 +185,6 @@ if _db["ENGINE"] == "django.db.backends.sqlite3":
     # Connections stay open (database threads and request threads alike): opening one costs
     # more than most queries, and closing the last one checkpoints and removes the WAL file.
     _db["CONN_MAX_AGE"] = None
-    # Django's SQLite backend, with this process's write transactions taking turns in Python
-    # rather than in SQLite's busy handler, which sleeps (`chatcore/sqlite/base.py`).
-    _db["ENGINE"] = "chatcore.sqlite"
     # A file (not :memory:) so engine threads share it; one per process so runs never collide.
     _db["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
 elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
@@ -193,9 +192,7 @@ elif _db["ENGINE"].startswith("django.db.backends.postgresql"):
     # connection per call and give it back, so connections are reused, never opened per turn,
     # and bounded here rather than by the thread count. Each borrow checks its connection, so
     # one the server ended while it sat in the pool is replaced, not handed to a read that has
-    # no retry (G5); the check costs no round trip while the connection is sound
-    # (`chatcore/postgresql/base.py`).
-    _db["ENGINE"] = "chatcore.postgresql"
+    # no retry (G5).
     _db["CONN_MAX_AGE"] = 0
     _db["CONN_HEALTH_CHECKS"] = True
     _db.setdefault("OPTIONS", {})["pool"] = {

@@ -194,8 +194,8 @@ def mark_appended(session: Session, messages: Sequence[Message]) -> bool:
         same_parent = same_parent.filter(parent_seq__isnull=True)
     else:
         same_parent = same_parent.filter(parent_seq=first.parent_seq)
-    # The new message itself may not be written yet (PostgreSQL sends a turn's writes with
-    # its COMMIT, `rows.merged`): its seq is added here.
+    # The new message itself may not be written yet (on PostgreSQL a turn's writes are one
+    # statement at the end of their block, `rows.merged`): its seq is added here.
     kin = sorted({*same_parent.values_list("seq", flat=True), first.seq})
     if len(kin) < 2:
         return False

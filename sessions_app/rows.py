@@ -1,15 +1,25 @@
-"""Row reads and writes in one statement each, for the ones every turn makes (G6).
+"""The row writes every turn makes, one statement each, and several as one on PostgreSQL
+(`merged`); the statements written in SQL, their cursor (`cursor`: bound and prepared on the
+server), several sent in one round trip (`pipelined`), and the rows they read made into
+instances (`columns`, `from_row`). SPEC G6, I1, I2.
+
+Why not the ORM (`bulk_create`, `save(update_fields=...)`): measured beside it in one run
+(`bench/notes/database.md`; Django 5.2.20, psycopg 3.3.9, PostgreSQL 15), its statement per
+write made a 100-stream burst's first-token p99 287 ms against 192 and cost a fifth more
+CPU a turn; Django's client-side binding (no prepared statements) added a third to the time
+to first token.
 
 Writes: each value goes through its field's own conversion for the database
-(`get_db_prep_save`, as `Model.save` does), so JSON, UUIDs and datetimes are stored exactly
-as the ORM stores them; a text, integer or boolean value already of its field's Python type
-is passed as it is, which is what that conversion returns for it. A generated field is the
-database's to fill: never written, and loaded by a read, as after `save()`. Reads: the row's
-columns go through the converters the ORM's compiler would apply, and the instance is made as
-`Model.from_db` makes it, its values set straight into it (`from_row`). What is skipped is
-the query compilation, which cost more than the database's own work; the statements' text is
-built once per model. The models written here have no signal receivers and client-side
-primary keys (UUID or text), so nothing `save()` would do is missed."""
+(`get_db_prep_save`, as `Model.save` does; a text, integer or boolean value already of its
+field's type is what that conversion returns), so rows are stored exactly as the ORM stores
+them; a generated field is the database's to fill. An update names its row by primary key
+and must match it: one that matches no row (the row was deleted, or inserted by the same
+merged statement, whose parts all see the snapshot from before it) raises `DatabaseError`,
+as `save(update_fields=...)` does, and its transaction then commits nothing. Public APIs
+only: the fields' conversions, `Model._state` (documented), `Model.from_db`, the converters
+Django's compiler applies (`DatabaseOperations.get_db_converters`,
+`Field.get_db_converters`), psycopg's `Connection.pipeline`, `Connection.cursor_factory` and
+`Cursor`."""
 
 from __future__ import annotations
 
@@ -19,15 +29,13 @@ import functools
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Field, Model
-from django.db.models.base import ModelState
-from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
-from django.db.models.signals import post_init, pre_init
+from django.db.models import Field, GeneratedField, Model
 
 M = TypeVar("M", bound=Model)
 
@@ -46,109 +54,153 @@ _PLAIN: dict[str, type] = {
 }
 
 
-# The writes `merged` holds for one statement, per thread (each database thread its own).
-_held = threading.local()
+@dataclass(frozen=True, slots=True)
+class _Write:
+    sql: str
+    params: list[Any]
+    # An update: what its one row is, for the error when it matches none.
+    row: str | None = None
+
+
+# Per thread (each database thread its own): the writes `merged` holds for its statement, and
+# the checks of the statements sent inside `pipelined`, made once their results are back.
+_local = threading.local()
+
+
+def _holding() -> list[_Write] | None:
+    return getattr(_local, "writes", None)
+
+
+def _checks() -> list[Callable[[], None]] | None:
+    return getattr(_local, "checks", None)
 
 
 @contextlib.contextmanager
 def merged() -> Iterator[None]:
-    """The `insert`s and `update`s made inside, as one statement at the end on PostgreSQL (the
-    first ones as data-modifying WITH clauses of the last): one round trip instead of one
-    each. Elsewhere (SQLite has no writes in WITH) each runs at once. For writes that nothing
-    inside reads back before the end: the sub-statements share one snapshot, and foreign keys
+    """The `insert`s and `update`s made inside, as one statement at the end of the block on
+    PostgreSQL (the first ones as data-modifying WITH clauses of the last): one round trip
+    instead of one each. Elsewhere (SQLite has no writes in WITH) each runs at once. For
+    writes that nothing inside reads back before the end: the parts share one snapshot, so
+    an update of a row inserted in the same block matches nothing (and raises); foreign keys
     are checked at commit (Django makes them deferrable), so a message may name a turn
-    inserted beside it. On an error inside, nothing held is run. Inside a transaction the
-    statement itself is held in turn, to go with the transaction's next statement or its
-    COMMIT: an error in it is raised there, inside the same transaction."""
+    inserted beside it. On an error inside, nothing held is run."""
     conn = connections[DEFAULT_DB_ALIAS]
     if conn.vendor != "postgresql" or _holding() is not None:
         yield
         return
-    _held.writes = []
+    _local.writes = []
     try:
         yield
-        writes: list[tuple[str, list[Any]]] = _held.writes
+        writes: list[_Write] = _local.writes
     finally:
-        _held.writes = None
-    if not writes:
+        _local.writes = None
+    if len(writes) == 1:
+        _run(writes[0])
+    elif writes:
+        _run_merged(writes)
+
+
+def _run(write: _Write) -> None:
+    c = cursor()
+    c.execute(write.sql, write.params)
+    if write.row is None:
+        c.close()
         return
-    sql, params = writes[-1]
-    if len(writes) > 1:
-        heads = ", ".join(f"w{i} AS ({text})" for i, (text, _p) in enumerate(writes[:-1]))
-        sql = f"WITH {heads} {sql}"
-        params = [value for _text, values in writes for value in values]
-    with cursor() as c:
-        hold = getattr(conn, "hold_write", None)
-        if hold is not None:
-            # Inside a transaction it goes with the next statement or the COMMIT, in one
-            # round trip (`chatcore.postgresql.base`).
-            hold(c)
-        c.execute(sql, params)
+    _after_results(c, lambda: [c.rowcount], [write.row])
+
+
+def _run_merged(writes: list[_Write]) -> None:
+    """One statement: every write a WITH clause, each update returning its row, then their
+    counts (all writes run whether or not the counts read them)."""
+    heads, counts = [], []
+    for i, write in enumerate(writes):
+        returning = " RETURNING 1" if write.row is not None else ""
+        heads.append(f"w{i} AS ({write.sql}{returning})")
+        if write.row is not None:
+            counts.append(f"(SELECT count(*) FROM w{i})")  # noqa: S608 (clause names)
+    sql = f"WITH {', '.join(heads)} SELECT {', '.join(counts) or '0'}"
+    params = [value for write in writes for value in write.params]
+    c = cursor()
+    c.execute(sql, params)
+    rows = [w.row for w in writes if w.row is not None]
+    _after_results(c, lambda: list(c.fetchone() or ()), rows)
+
+
+def _after_results(c: CursorWrapper, counted: Callable[[], list[int]], rows: list[str]) -> None:
+    """Check that each update matched its row, once the statement's results are back: at
+    once, or at the end of the `pipelined` block it was sent in."""
+
+    def check() -> None:
+        try:
+            found = counted()
+        finally:
+            c.close()
+        for row, count in zip(rows, found, strict=True):
+            if count != 1:
+                raise DatabaseError(f"{row}: the update matched {count} rows, not 1")
+
+    waiting = _checks()
+    if waiting is not None:
+        waiting.append(check)
+    else:
+        check()
+
+
+def _write(write: _Write) -> None:
+    held = _holding()
+    if held is not None:
+        held.append(write)
+    else:
+        _run(write)
 
 
 @contextlib.contextmanager
 def pipelined() -> Iterator[None]:
-    """On PostgreSQL, the statements executed inside go to the server in one round trip at
-    the end of the block (read their results after it); elsewhere each runs at once."""
+    """On PostgreSQL, the statements executed inside go to the server together, in one round
+    trip at the end of the block (psycopg's pipeline mode); read their results after it.
+    Each still runs on its own snapshot, in order: a lock waited for by one is held when the
+    next one runs. The updates sent inside (`update`, `merged`) are checked once their
+    results are back, before the block ends. Elsewhere each runs at once. Not for the ORM's
+    writes whose row count their caller reads (it would read none yet)."""
     conn = connections[DEFAULT_DB_ALIAS]
-    together = getattr(conn, "pipelined", None)
-    if together is None:
+    if conn.vendor != "postgresql":
         yield
         return
-    with together():
-        yield
-
-
-def when_commit_sent(fn: Callable[[], object]) -> None:
-    """Inside a transaction: run `fn` once its COMMIT is on its way, on PostgreSQL, where the
-    COMMIT is a round trip (work handed to another thread then runs while this one waits for
-    the server; never when the transaction rolls back first, and what `fn` started goes
-    unused should the COMMIT fail); elsewhere now. `fn` must not use the connection."""
-    conn = connections[DEFAULT_DB_ALIAS]
-    later = getattr(conn, "when_commit_sent", None)
-    if later is None or not conn.in_atomic_block:
-        fn()
-        return
-    later(fn)
-
-
-def _holding() -> list[tuple[str, list[Any]]] | None:
-    return getattr(_held, "writes", None)
-
-
-def _write(sql: str, params: list[Any]) -> None:
-    held = _holding()
-    if held is not None:
-        held.append((sql, params))
-        return
-    with cursor() as c:
-        c.execute(sql, params)
+    conn.ensure_connection()
+    outer = _checks()
+    checks: list[Callable[[], None]] = [] if outer is None else outer
+    _local.checks = checks
+    try:
+        with conn.wrap_database_errors, conn.connection.pipeline():
+            yield
+    finally:
+        _local.checks = outer
+    if outer is None:
+        for check in checks:
+            check()
 
 
 def cursor() -> CursorWrapper:
     """A cursor for the statements written in SQL (here, and the engine's on our own tables).
 
-    On PostgreSQL it binds parameters on the server, so a pooled connection prepares a
-    statement it has run a few times (`OPTIONS["prepare_threshold"]`, settings) and the server
-    parses and plans it once, not on every turn: planning the turn's statements cost more
-    than running them. The ORM keeps Django's client-side binding, which some of its
-    expressions need (a parameter whose type only the client knows). Elsewhere (SQLite, which
-    caches its statements itself) Django's own cursor."""
+    On PostgreSQL it binds parameters on the server (psycopg's `Cursor`), so a pooled
+    connection prepares a statement it has run a few times (`OPTIONS["prepare_threshold"]`,
+    settings) and the server parses and plans it once, not on every turn: planning the
+    turn's statements cost more than running them. The ORM keeps Django's client-side
+    binding, which some of its expressions need (a parameter whose type only the client
+    knows). Elsewhere (SQLite, which caches its statements itself) Django's own cursor."""
     conn = connections[DEFAULT_DB_ALIAS]
     if conn.vendor != "postgresql":
         return conn.cursor()
-    from django.db.backends.postgresql.base import ServerBindingCursor
+    import psycopg
 
-    # This project's backend begins a transaction with its first statement, through its own
-    # cursor classes (`chatcore.postgresql.base`); Django's plain backend has none.
-    binding = getattr(conn, "server_binding_cursor", ServerBindingCursor)
-    # Django's own cursor (time zone, debug wrapper, error wrapping), made by the server-binding
-    # class: the connection's cursor class is swapped for this one call, on this thread's
-    # connection, and put back.
+    # Django's own cursor wrapper (time zone, debug log, error wrapping) around a cursor of
+    # psycopg's server-binding class: the connection's cursor class is swapped for this one
+    # call, on this thread's connection, and put back.
     conn.ensure_connection()
     raw = conn.connection
     client = raw.cursor_factory
-    raw.cursor_factory = binding
+    raw.cursor_factory = psycopg.Cursor
     try:
         return conn.cursor()
     finally:
@@ -207,9 +259,9 @@ def _db_values(
         out.append(field.get_db_prep_save(field.pre_save(obj, add=add), conn))
 
 
-def _quote(conn: BaseDatabaseWrapper, name: str | None) -> str:
+def _quote(name: str | None) -> str:
     assert name is not None
-    return conn.ops.quote_name(name)
+    return connection.ops.quote_name(name)
 
 
 def _fields(model: type[Model]) -> list[Field[Any, Any]]:
@@ -218,16 +270,16 @@ def _fields(model: type[Model]) -> list[Field[Any, Any]]:
 
 def _written(model: type[Model]) -> list[Field[Any, Any]]:
     """The fields an INSERT gives values to: not those the database computes (generated)."""
-    return [f for f in _fields(model) if not f.generated]
+    return [f for f in _fields(model) if not isinstance(f, GeneratedField)]
 
 
 @functools.cache
 def _insert_sql(model: type[Model], vendor: str, count: int) -> str:
     opts = model._meta
-    columns = ", ".join(_quote(connection, f.column) for f in _written(model))
+    columns = ", ".join(_quote(f.column) for f in _written(model))
     marks = "(" + ", ".join(["%s"] * len(_written(model))) + ")"
     return (
-        f"INSERT INTO {_quote(connection, opts.db_table)} ({columns})"  # noqa: S608
+        f"INSERT INTO {_quote(opts.db_table)} ({columns})"  # noqa: S608
         f" VALUES {', '.join([marks] * count)}"
     )
 
@@ -245,7 +297,7 @@ def insert(objs: Sequence[Model]) -> None:
     params: list[Any] = []
     for obj in objs:
         _db_values(plan, obj, True, conn, params)
-    _write(_insert_sql(model, conn.vendor, len(objs)), params)
+    _write(_Write(_insert_sql(model, conn.vendor, len(objs)), params))
     for obj in objs:
         obj._state.adding = False
         obj._state.db = conn.alias
@@ -255,10 +307,10 @@ def insert(objs: Sequence[Model]) -> None:
 def _update_sql(model: type[Model], vendor: str, names: tuple[str, ...]) -> str:
     opts = model._meta
     assert opts.pk is not None
-    sets = ", ".join(f"{_quote(connection, f.column)} = %s" for f in _named(model, names))
+    sets = ", ".join(f"{_quote(f.column)} = %s" for f in _named(model, names))
     return (
-        f"UPDATE {_quote(connection, opts.db_table)} SET {sets}"  # noqa: S608
-        f" WHERE {_quote(connection, opts.pk.column)} = %s"
+        f"UPDATE {_quote(opts.db_table)} SET {sets}"  # noqa: S608
+        f" WHERE {_quote(opts.pk.column)} = %s"
     )
 
 
@@ -270,7 +322,9 @@ def _named(model: type[Model], names: tuple[str, ...]) -> list[Field[Any, Any]]:
 
 
 def update(obj: Model, names: Iterable[str]) -> None:
-    """UPDATE the given fields of `obj`'s row (by primary key) in one statement."""
+    """UPDATE the given fields of `obj`'s row (by primary key) in one statement. A row it
+    does not match raises `DatabaseError` (at once, at the end of its `merged` block, or of
+    the `pipelined` block that sent it)."""
     model = type(obj)
     opts = model._meta
     assert opts.pk is not None
@@ -279,7 +333,7 @@ def update(obj: Model, names: Iterable[str]) -> None:
     params: list[Any] = []
     _db_values(_value_plan(model, conn.vendor, names), obj, False, conn, params)
     params.append(opts.pk.get_db_prep_value(obj.pk, conn))
-    _write(_update_sql(model, conn.vendor, names), params)
+    _write(_Write(_update_sql(model, conn.vendor, names), params, row=f"{opts.label} {obj.pk}"))
 
 
 # --- Reads ------------------------------------------------------------------------------------
@@ -289,7 +343,7 @@ def update(obj: Model, names: Iterable[str]) -> None:
 def columns(model: type[Model], alias: str) -> str:
     """The model's columns for a SELECT, in the order `from_row` reads them, qualified by the
     table alias `alias`."""
-    return ", ".join(f"{alias}.{_quote(connection, f.column)}" for f in _fields(model))
+    return ", ".join(f"{alias}.{_quote(f.column)}" for f in _fields(model))
 
 
 Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
@@ -297,8 +351,8 @@ Converter = Callable[[Any, Any, BaseDatabaseWrapper], Any]
 
 @functools.cache
 def _converters(model: type[Model], vendor: str) -> list[tuple[int, list[Converter], Any]]:
-    """Per column that needs any: its index, the converters the compiler would apply (the
-    backend's, then the field's own), and the expression they are given."""
+    """Per column that needs any: its index, the converters the ORM's compiler applies to it
+    (the backend's, then the field's own), and the expression they are given."""
     out = []
     for i, field in enumerate(_fields(model)):
         col = field.get_col(model._meta.db_table)
@@ -309,29 +363,13 @@ def _converters(model: type[Model], vendor: str) -> list[tuple[int, list[Convert
 
 
 @functools.cache
-def _set_directly(model: type[Model]) -> tuple[str, ...] | None:
-    """The attribute names `from_row` sets a `model` instance's values under, when setting
-    them straight into its `__dict__` is what `Model.__init__` would do: the model keeps
-    Django's `__init__` and `from_db`, and no value goes through a descriptor of its own (a
-    foreign key's id does, but only to forget a cached related object, which a new instance
-    has not got). None otherwise: the instance is made by `from_db`."""
-    if model.__init__ is not Model.__init__ or model.from_db.__func__ is not (  # type: ignore[attr-defined]
-        Model.from_db.__func__  # type: ignore[attr-defined]
-    ):
-        return None
-    names = tuple(f.attname for f in _fields(model))
-    for name in names:
-        found = getattr(model, name, None)
-        if hasattr(type(found), "__set__") and type(found) is not ForeignKeyDeferredAttribute:
-            return None
-    return names
+def _attnames(model: type[Model]) -> tuple[str, ...]:
+    return tuple(f.attname for f in _fields(model))
 
 
 def from_row(model: type[M], row: Sequence[Any]) -> M:
-    """A `model` instance from the first columns of `row` (selected with `columns`), as the
-    ORM would build it; the columns after those are the caller's. Made as `Model.__init__`
-    makes it, without its steps per field (`_set_directly`), which a long history's read
-    pays once per message."""
+    """A `model` instance from the first columns of `row` (selected with `columns`), made as
+    the ORM makes one (`Model.from_db`); the columns after those are the caller's."""
     conn = connections[DEFAULT_DB_ALIAS]
     values = list(row[: len(model._meta.concrete_fields)])
     for i, found, col in _converters(model, conn.vendor):
@@ -339,14 +377,4 @@ def from_row(model: type[M], row: Sequence[Any]) -> M:
         for convert in found:
             value = convert(value, col, conn)
         values[i] = value
-    names = _set_directly(model)
-    if names is None:
-        return model.from_db(conn.alias, (), values)
-    pre_init.send(sender=model, args=tuple(values), kwargs={})
-    obj = model.__new__(model)
-    state = obj.__dict__["_state"] = ModelState()
-    obj.__dict__.update(zip(names, values, strict=True))
-    post_init.send(sender=model, instance=obj)
-    state.adding = False
-    state.db = conn.alias
-    return obj
+    return model.from_db(conn.alias, _attnames(model), values)

@@ -20,8 +20,8 @@ from chatcore.common.errors import NotFound, ReadOnlyDialog
 from chatcore.common.ids import FIRST_PARTY_CHANNELS, SessionKey
 
 from . import branches
+from .channel_models import ChannelChat
 from .models import (
-    ChannelChat,
     Compaction,
     MemoryNote,
     Message,

@@ -695,3 +695,77 @@ def test_values_the_orm_would_convert_are_written_converted_in_one_statement(use
     assert stored[200].pk == key
     assert stored[200].created_at == stored[201].created_at
     assert stored[200].created_at.utcoffset() == datetime.timedelta(0)
+
+
+# --- I2: an update that matches no row is an error, never a silent success ------------------
+
+
+def _turn(session: Session, number: int, **fields: Any) -> Any:
+    from sessions_app.models import Turn
+
+    return Turn(session=session, owner_id=session.owner_id, number=number, **fields)
+
+
+def test_an_update_that_matches_no_row_raises_and_its_transaction_commits_nothing(user):
+    # covers: A3, C10, I2 (a turn's end, or a dialog's row gone under its append: alone, in
+    # one merged statement, or sent in a pipeline, the write fails and nothing of its
+    # transaction commits)
+    import uuid
+
+    from django.db import DatabaseError, transaction
+
+    from sessions_app import rows, turn_services
+
+    with pytest.raises(DatabaseError, match="matched 0 rows"):
+        turn_services.turn_finish(turn_pk=uuid.uuid4(), status="completed")
+
+    session = create(user, "gone")
+    before = stored_seqs(session)
+    with pytest.raises(DatabaseError, match="matched 0 rows"), transaction.atomic():
+        locked = services.lock_session(session.pk)
+        assert locked is not None
+        Session.objects.filter(pk=session.pk).delete()
+        with rows.merged():
+            services.append_locked(locked, [user_msg("lost")])
+    assert fresh(session).last_seq == before[-1]
+    assert stored_seqs(session) == before
+
+    kept = _turn(session, 1)
+    rows.insert([kept])
+    ghost = _turn(session, 2)  # never stored
+    kept.status = ghost.status = "running"
+    with pytest.raises(DatabaseError, match="matched 0 rows"), transaction.atomic():
+        with rows.pipelined():
+            rows.update(kept, ["status"])
+            rows.update(ghost, ["status"])
+    assert type(kept).objects.get(pk=kept.pk).status == "queued"  # rolled back with it
+    with transaction.atomic(), rows.pipelined():
+        rows.update(kept, ["status"])
+    assert type(kept).objects.get(pk=kept.pk).status == "running"
+
+
+def test_a_merged_update_of_a_row_inserted_beside_it_is_refused_on_postgresql(user):
+    # covers: I2 (the parts of one data-modifying statement all see the snapshot from before
+    # it: the update would silently do nothing there; it raises instead. SQLite runs each
+    # write at once, so there it sees the row)
+    from django.db import DatabaseError, transaction
+
+    from sessions_app import rows
+    from sessions_app.models import Turn
+
+    session = create(user, "beside")
+    turn = _turn(session, 1)
+
+    def insert_then_update() -> None:
+        with transaction.atomic(), rows.merged():
+            rows.insert([turn])
+            turn.status = "running"
+            rows.update(turn, ["status"])
+
+    if connection.vendor == "postgresql":
+        with pytest.raises(DatabaseError, match="matched 0 rows"):
+            insert_then_update()
+        assert not Turn.objects.filter(pk=turn.pk).exists()
+    else:
+        insert_then_update()
+        assert Turn.objects.get(pk=turn.pk).status == "running"

@@ -63,6 +63,7 @@ if os.environ.get("SEND_TIMELINE"):
 
     def _install() -> None:
         import httpx
+        from django.db.backends.postgresql import base as pg
 
         from chatcore.common import dbthreads
         from chatcore.engine import (
@@ -77,7 +78,6 @@ if os.environ.get("SEND_TIMELINE"):
             worker,
         )
         from chatcore.engine.turns import runner
-        from chatcore.postgresql import base as pg
         from sessions_app import consumers, ws_events
 
         steps: list[tuple[Any, str, str]] = [
@@ -88,8 +88,7 @@ if os.environ.get("SEND_TIMELINE"):
             (admission, "start_locked", "turn started in the admission"),
             (admission_batch, "start_locked", "turn started in the admission"),
             (rates, "acharge", "send-rate charge"),
-            (pg.DatabaseWrapper, "_commit", "COMMIT"),
-            (pg.DatabaseWrapper, "_commit_sent", "COMMIT sent"),
+            (pg.DatabaseWrapper, "commit", "COMMIT"),
             (worker.Workers, "open_first_request", "first request opened"),
             (provider_net._Connection, "write", "model socket write"),
             (provider_net._Connection, "read", "model socket read"),

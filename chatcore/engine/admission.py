@@ -112,10 +112,10 @@ def admit_and_start(
 
     The started path is four statements on SQLite: the locked row with the queue counts and
     F7's slot counts, the turn inserted running, the user message, and one update of the
-    dialog's row (turn counter, lease, revision); on PostgreSQL three in two round trips:
-    the dialog's and the owner's rows locked, then the counts (and the turn's context,
-    `context_chars`), sent together; then the last three writes as one statement
-    (`rows.merged`), sent with the COMMIT.
+    dialog's row (turn counter, lease, revision); on PostgreSQL three round trips and the
+    COMMIT: psycopg's BEGIN; the dialog's and the owner's rows locked, then the counts (and
+    the turn's context, `context_chars`), sent together; the last three writes as one
+    statement (`rows.merged`).
 
     `on_started`: called with the started turn as soon as it is decided, before the COMMIT
     (the turn's input built meanwhile, `Engine.submit`); a

@@ -58,9 +58,7 @@ def admit_and_start_many(
     a circle of transactions waiting on each other (a lease renewal locks many dialogs in the
     order it finds them, another process's batch locks its own), and one contended row holds
     up no other send of the batch: the send whose dialog or sender was skipped goes alone,
-    and waits there. Then
-    each started turn's writes are its one statement (`rows.merged`), all held to go with
-    the COMMIT.
+    and waits there. Then each started turn's writes are its one statement (`rows.merged`).
 
     A send that does not start there and then (its row held elsewhere, a dialog busy or
     gone, a lease live elsewhere, inputs staged, no free slot, a full queue) is left alone
@@ -76,7 +74,7 @@ def admit_and_start_many(
             confirmed = time.monotonic()
             found = admission_lock.lock_many(batch)
             for i, admission in enumerate(batch):
-                # Its writes one statement (`rows.merged`), held to go with the COMMIT.
+                # Its writes one statement (`rows.merged`).
                 started = _start_one(admission, found, cfg=cfg, confirmed=confirmed)
                 if started is not None:
                     ack = Ack(

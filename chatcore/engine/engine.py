@@ -34,7 +34,7 @@ from django.db import connection, transaction
 
 from chatcore.common import dbthreads, events, publish
 from chatcore.common.dbthreads import Lane, start_on_db
-from sessions_app import rows, storage
+from sessions_app import storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
 from . import (
@@ -260,20 +260,13 @@ class Engine:
 
         def build_beside(started: queue.Started) -> None:
             # G6: the turn's input is built from that context, on another database thread,
-            # while the admission waits for its COMMIT's round trip, and its model request
-            # goes out as soon as both are done.
+            # while the admission finishes and commits, and its model request goes out as
+            # soon as both are done.
             if started.context is None:
                 return
-
-            def build() -> None:
-                started.prepared = start_on_db(
-                    functools.partial(self._prepare_early, started, committed=False)
-                )
-
-            # Handed over once the COMMIT is on its way: the build runs while the admission
-            # waits for the server. Handed over before, it took the interpreter lock from the
-            # admission between the COMMIT's own steps, whose round trip then waited for it.
-            rows.when_commit_sent(build)
+            started.prepared = start_on_db(
+                functools.partial(self._prepare_early, started, committed=False)
+            )
             transaction.on_commit(functools.partial(open_when_built, started), robust=True)
 
         def build_once_committed(started: queue.Started) -> None:

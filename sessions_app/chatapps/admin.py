@@ -10,7 +10,7 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 from audit.trail import Actor
-from sessions_app.models import ChannelAccount, ChannelChat
+from sessions_app.channel_models import ChannelAccount, ChannelChat
 
 from ..admin.history import AuditHistoryMixin
 from . import store

@@ -23,11 +23,13 @@ from audit.trail import Actor, audit_account_link
 from chatcore.common.errors import NotFound
 from chatcore.common.ids import validate_part
 from chatcore.engine.sessions import resolve_dialog
-from sessions_app.models import (
+from sessions_app.channel_models import (
     ChannelAccount,
     ChannelChat,
     ChannelDelivery,
     ChannelEvent,
+)
+from sessions_app.models import (
     Message,
     MessageStatus,
     Role,

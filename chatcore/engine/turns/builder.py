@@ -186,7 +186,7 @@ class TurnInputBuilder:
         appended: services.Appended | None = None,
     ) -> PreparedInput | None:
         """A send's turn input, built on a database thread as soon as its admission has
-        started its turn (`Engine.submit`, G6), while that transaction waits for its COMMIT:
+        started its turn (`Engine.submit`, G6), while that transaction commits:
         from the context the admission read in its first round trip, on the row it left and
         with the messages it `appended` (not yet committed, so neither read nor recorded in
         the history cache here), with no trip back to the event loop and out again before

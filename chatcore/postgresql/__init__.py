@@ -1,1 +1,0 @@
-"""The PostgreSQL database backend of scaled mode (`chatcore.postgresql.base`)."""

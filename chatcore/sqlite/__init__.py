@@ -1,1 +1,0 @@
-"""The SQLite database backend of embedded mode (`chatcore.sqlite.base`)."""

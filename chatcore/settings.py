@@ -215,11 +215,21 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # --- Channels and Celery --------------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
 SCALED = bool(REDIS_URL)
+# I3: every redis-py client of the platform (the channel layer's, the rate counters', the
+# socket registry's, the cache's) waits at most this long to connect and for each reply: a
+# stalled Redis answers "no" within seconds instead of holding its callers. A URL's own
+# options (`?socket_timeout=...`) win over these.
+REDIS_TIMEOUT_SECONDS = float(os.environ.get("CHAT_REDIS_TIMEOUT_SECONDS") or 2.0)
+REDIS_OPTIONS: dict[str, Any] = {
+    "socket_timeout": REDIS_TIMEOUT_SECONDS,
+    "socket_connect_timeout": REDIS_TIMEOUT_SECONDS,
+    "socket_keepalive": True,
+}
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "chatcore.common.redislayer.RedisPubSubLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            "CONFIG": {"hosts": [{"address": REDIS_URL, **REDIS_OPTIONS}]},
         }
     }
 else:
@@ -233,7 +243,11 @@ else:
 # Rate-limit counters must be shared by every process in scaled mode (F3).
 if REDIS_URL:
     CACHES = {
-        "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "OPTIONS": REDIS_OPTIONS,
+        }
     }
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
@@ -252,7 +266,11 @@ CELERY_TASK_DEFAULT_QUEUE = "chat"
 # job to another worker after the visibility timeout, which must exceed it, or a job still
 # running would run twice.
 CELERY_LONGEST_TASK_SECONDS = 360
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_LONGEST_TASK_SECONDS + 240}
+# I3: a frozen broker fails a publish within Redis's timeout (kombu waits forever by default).
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": CELERY_LONGEST_TASK_SECONDS + 240,
+    **REDIS_OPTIONS,
+}
 # G5: the broker connection comes back by itself after a Redis restart.
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None

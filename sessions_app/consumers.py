@@ -34,7 +34,7 @@ from chatcore.common import events, publish
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, RateLimited
 from chatcore.common.ids import owner_chat_id, validate_part
-from chatcore.engine import commands, limits, runtime
+from chatcore.engine import commands, rates, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
 from chatcore.engine.lists import SessionList
 from chatcore.engine.opening import Holds, Opening
@@ -459,7 +459,7 @@ class ChatConsumer(ChatEventsConsumer):
             user_id=self.user.pk, session=target
         )
         engine = self.conn.engine
-        await limits.acharge(self.user.pk, limits.WRITE, engine.cfg)
+        await rates.acharge(self.user.pk, rates.WRITE, engine.cfg)
         session = await dialog_settings_update(
             engine=engine, session=target, model=model, system_prompt=system_prompt
         )

@@ -23,7 +23,7 @@ from ninja import File as FileParam
 from ninja import Router, Status, UploadedFile
 
 from chatcore.common.dbthreads import on_db, on_db_idempotent
-from chatcore.engine import limits, runtime
+from chatcore.engine import rates, runtime
 
 from . import files
 from .file_models import File, FileKind
@@ -76,7 +76,7 @@ def file_out(file: File) -> dict[str, Any]:
 async def upload_file(request: HttpRequest, file: FileParam[UploadedFile]) -> Status[Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
     try:
         stored = await sync_to_async(files.file_store_bytes, thread_sensitive=False)(
             stream=cast(IO[bytes], file.file), name=file.name or "", size=file.size or 0

@@ -41,7 +41,7 @@ from chatcore.common import events
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import NotFound, ShuttingDown
 from chatcore.common.ids import owner_chat_id
-from chatcore.engine import background, clientstate, limits, runtime
+from chatcore.engine import background, clientstate, rates, runtime
 from chatcore.engine.dialog_settings import dialog_settings_update
 from chatcore.engine.dialogs import delete_dialog
 from chatcore.engine.engine import Ack
@@ -190,7 +190,7 @@ async def list_sessions(
 async def create_session(request: HttpRequest, payload: SessionCreateIn) -> Status[Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
 
     def create() -> dict[str, Any]:
         chat_id = payload.chat_id or owner_chat_id(user.pk)
@@ -232,7 +232,7 @@ async def rename_session(
 ) -> dict[str, Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
     session = await on_db_idempotent(_writable)(user, session_id)
     if payload.model is not None or payload.system_prompt is not None:
         # H4: the model is checked first, so an unknown one changes nothing.
@@ -275,7 +275,7 @@ async def delete_session(request: HttpRequest, session_id: str) -> HttpResponse:
     user = _user(request)
     session = await on_db_idempotent(_writable)(user, session_id)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
     await delete_dialog(engine=engine, session=session, by=_actor(request, user))
     response = HttpResponse(status=204)
     del response["Content-Type"]  # no body, so no type
@@ -437,7 +437,7 @@ async def compact_session(request: HttpRequest, session_id: str) -> Status[Any]:
     if engine.closing:
         raise ShuttingDown()
     # F7: a compaction is model work, charged to the send rate.
-    await limits.acharge(user.pk, limits.SEND, engine.cfg)
+    await rates.acharge(user.pk, rates.SEND, engine.cfg)
     await on_db(background.request_compaction)(session_pk=session.pk, manual=True)
     return Status(202, {"session_id": session.session_id, "accepted": True})
 

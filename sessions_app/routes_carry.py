@@ -18,7 +18,7 @@ from ninja import Query, Router, Status
 from audit.trail import Actor, client_ip
 from chatcore.common.dbthreads import on_db, on_db_idempotent
 from chatcore.common.errors import TooLarge
-from chatcore.engine import clientstate, limits, runtime
+from chatcore.engine import clientstate, rates, runtime
 
 from . import export, import_writes, importer, search, selectors, shares
 from .routes import _session_links
@@ -152,7 +152,7 @@ def _read_import(request: HttpRequest) -> importer.ImportedDialog:
 async def import_session(request: HttpRequest) -> Status[Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
     dialog = await sync_to_async(_read_import, thread_sensitive=False)(request)
 
     def write() -> dict[str, Any]:
@@ -174,7 +174,7 @@ async def import_session(request: HttpRequest) -> Status[Any]:
 async def share_session(request: HttpRequest, session_id: str) -> Status[Any]:
     user = _user(request)
     engine = await runtime.get_engine()
-    await limits.acharge(user.pk, limits.WRITE, engine.cfg)
+    await rates.acharge(user.pk, rates.WRITE, engine.cfg)
 
     def write() -> dict[str, Any]:
         session = selectors.session_get_for_owner(owner_id=user.pk, session_id=session_id)

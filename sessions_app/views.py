@@ -15,6 +15,7 @@ from django.http import HttpRequest, JsonResponse
 from chatcore.common import heap, publish
 from chatcore.common.dbthreads import on_db
 from chatcore.common.memlayer import LocalChannelLayer
+from chatcore.common.redislayer import RedisPubSubLayer
 from chatcore.engine.clientstate import snapshot_gaps
 
 logger = logging.getLogger(__name__)
@@ -35,11 +36,11 @@ async def _check_channel_layer() -> dict[str, Any]:
     backend = str(settings.CHANNEL_LAYERS["default"]["BACKEND"]).rsplit(".", 1)[-1]
     if layer is None:
         return {"ok": False, "backend": backend}
-    # D1, issue 10: frames this process did not get through, since it started: group
-    # messages a full channel missed (the embedded layer counts them; Redis pub/sub queues are
-    # unbounded) and publishes the layer refused.
+    # D1, issue 10: frames this process did not get through, since it started: frames a
+    # full channel missed (both layers bound a consumer's queue and count them) and publishes
+    # the layer refused.
     counts = {
-        "dropped": layer.dropped if isinstance(layer, LocalChannelLayer) else 0,
+        "dropped": layer.dropped if isinstance(layer, LocalChannelLayer | RedisPubSubLayer) else 0,
         "failed_publishes": publish.failed_publishes(),
     }
     try:

@@ -106,9 +106,21 @@ class RedisServer:
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the server keeps its connections and accepts new ones, and answers
+        nothing (unlike a restart), until `thaw`."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is None:
             return
+        if self.proc.poll() is None:
+            self.thaw()  # a frozen server must thaw to hear its SIGTERM
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)

@@ -2,15 +2,14 @@
 transaction per batch, on PostgreSQL (SPEC G6, C1, C2, C3, F7; `Engine.admissions`, a
 `chatcore.engine.gather.Gathered`).
 
-Whatever a batch does not start there and then (a busy or deleted dialog, a refused charge, a
-failed transaction) is admitted on its own, exactly as any send."""
+Whatever a batch does not start there and then (a busy or deleted dialog, a failed
+transaction) is admitted on its own, exactly as any send."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-import uuid
 from typing import Any
 
 import pytest
@@ -18,10 +17,9 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import OperationalError, connection, connections, transaction
-from django.test import override_settings
 from django.utils import timezone
 
-from chatcore.common.errors import NotFound, RateLimited
+from chatcore.common.errors import NotFound
 from chatcore.engine import admission, admission_batch
 from chatcore.engine.gather import ALONE
 from chatcore.engine.ingress import Inbound
@@ -215,44 +213,6 @@ def test_a_send_whose_row_another_transaction_holds_goes_alone_and_holds_up_no_o
     assert isinstance(outcomes[0], tuple) and isinstance(outcomes[3], tuple)
     assert outcomes[1] is ALONE and outcomes[2] is ALONE
     assert not Turn.objects.filter(session_id__in=[dialog_held.pk, sender_held.pk]).exists()
-
-
-@pytest.mark.redis
-def test_a_refused_charge_refuses_only_its_own_send_in_a_batch(
-    make_user: Any, redis_url: str
-) -> None:
-    # covers: F7 (the send rate, counted on Redis by the batch's transaction), C2 (a refused
-    # send changes nothing)
-    from chatcore.engine import limits
-
-    first, refused, last = _dialogs(make_user, 3)
-    backend = {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": redis_url}
-    with override_settings(CACHES={"default": {**backend, "KEY_PREFIX": uuid.uuid4().hex}}):
-        cfg = {**settings.CHAT, "RATE_LIMIT_PER_MINUTE": 1}
-        # Each sender's first send of the minute is within the budget; `refused`'s second is
-        # not.
-        charges = [
-            asyncio.run(limits.charge_beside(s.owner_id, limits.SEND, cfg))
-            for s in (first, refused, refused, last)
-        ]
-        assert all(charge is not None for charge in charges)
-        charges[1].send()  # type: ignore[union-attr]
-        charges[1].wait()  # type: ignore[union-attr]
-        outcomes = admission_batch.admit_and_start_many(
-            [
-                _admission(first, "one", charge=charges[0]),
-                _admission(refused, "two", charge=charges[2]),
-                _admission(last, "three", charge=charges[3]),
-            ],
-            cfg=settings.CHAT,
-            states=SessionStates(),
-        )
-    assert isinstance(outcomes[0], tuple) and isinstance(outcomes[2], tuple)
-    assert isinstance(outcomes[1], RateLimited)
-    assert not Turn.objects.filter(session_id=refused.pk).exists()
-    assert not Message.objects.filter(session_id=refused.pk, role="user").exists()
-    assert Session.objects.get(pk=refused.pk).lease_owner == ""
-    assert Turn.objects.filter(session_id__in=[first.pk, last.pk]).count() == 2
 
 
 def test_a_batch_whose_writes_fail_leaves_nothing_and_each_send_goes_alone(

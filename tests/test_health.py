@@ -1,7 +1,7 @@
 """`/healthz` answers within its timeout whatever hangs (issue 56; SPEC F4, I3): each
 dependency is checked side by side, one that does not answer in CHAT["HEALTH_TIMEOUT_SECONDS"]
 is reported `timed_out`, and an unreachable database makes the answer 503. A frozen Redis
-(SIGSTOP) in scaled mode is in test_health_scaled.py."""
+(SIGSTOP) in scaled mode is in test_redis_freeze.py."""
 
 from __future__ import annotations
 

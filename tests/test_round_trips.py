@@ -843,3 +843,54 @@ async def test_step_boundaries_that_come_together_are_read_together(
     for i in (0, 1, 3, 4):
         got = [(m.role, m.content) for m in await history(dialogs[i]) if m.role != "system"]
         assert got[-2:] == [("user", f"question {i}"), ("assistant", f"the answer to question {i}")]
+
+
+@pytest.mark.postgres
+async def test_the_build_beside_an_admission_that_rolls_back_goes_unused(
+    make_engine, fake_model, user, monkeypatch
+):
+    # covers: A4, C2, G6 (the input built beside an admission whose COMMIT fails is never
+    # sent: the model request opens only on commit; the admission tried again starts the
+    # turn, built anew, and the user message is stored and sent once)
+    from django.db.backends.base.base import BaseDatabaseWrapper
+    from django.db.utils import OperationalError
+
+    from chatcore.engine import admission
+    from chatcore.engine.engine import Engine
+
+    failing: set[str] = set()
+    real_start = admission.start_locked
+    real_commit = BaseDatabaseWrapper.commit
+    real_prepare = Engine._prepare_early
+    builds: list[bool] = []
+
+    def start_locked(*args: Any, **kwargs: Any) -> Any:
+        if not builds:  # the first attempt: its COMMIT fails
+            failing.add(threading.current_thread().name)
+        return real_start(*args, **kwargs)
+
+    def commit(self: BaseDatabaseWrapper) -> None:
+        name = threading.current_thread().name
+        if name in failing:
+            failing.discard(name)
+            raise OperationalError("could not serialize access (the test's)")
+        real_commit(self)
+
+    def prepare(self: Engine, started: Any, *, committed: bool) -> Any:
+        builds.append(committed)
+        return real_prepare(self, started, committed=committed)
+
+    monkeypatch.setattr(admission, "start_locked", start_locked)
+    monkeypatch.setattr(BaseDatabaseWrapper, "commit", commit)
+    monkeypatch.setattr(Engine, "_prepare_early", prepare)
+    engine = await make_engine(name="rolled-back")
+    session = await make_dialog(user)
+    fake_model.script(Reply(text="answered once"))
+    ack = await send(engine, session, "hello")
+    assert ack.turn_id is not None
+    await engine.wait_idle(session.pk)
+    assert len(builds) == 2  # one beside each attempt
+    requests = fake_model.turn_requests()
+    assert len(requests) == 1
+    assert [strip_runtime(m["content"]) for m in requests[0].messages[1:]] == ["hello"]
+    assert [m.content for m in await history(session) if m.role == "user"] == ["hello"]

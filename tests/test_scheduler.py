@@ -117,3 +117,38 @@ def test_the_broker_is_connected_at_start_and_the_first_job_goes_over_that_conne
     CeleryScheduler(app=away).warm()
     assert "could not reach the broker at start" in caplog.text
     away.close()
+
+
+def test_a_frozen_broker_fails_a_job_within_seconds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # covers: I3, G5 (kombu waits forever for a broker that accepts and never answers,
+    # unless told: the settings' transport options bound each publish, and the job is said
+    # not enqueued; the next turn that makes it due schedules it again)
+    import shutil
+    import time
+
+    from celery import Celery
+
+    from tests.conftest import IN_CI
+    from tests.scaled import RedisServer
+
+    if shutil.which("redis-server") is None:
+        if IN_CI:
+            pytest.fail("needs the redis-server binary (CI must run it)")
+        pytest.skip("needs the redis-server binary")
+    server = RedisServer(tmp_path / "redis").start()
+    options = {**settings.CELERY_BROKER_TRANSPORT_OPTIONS, "socket_timeout": 0.5}
+    options["socket_connect_timeout"] = 0.5
+    app = Celery(f"frozen-{uuid.uuid4().hex[:8]}", broker=server.url, set_as_current=False)
+    app.conf.update(broker_transport_options=options)
+    caplog.set_level(logging.WARNING, logger="chatcore.engine.scheduler")
+    server.freeze()
+    try:
+        started = time.monotonic()
+        CeleryScheduler(app=app).schedule("generate_title", session_pk=uuid.uuid4().hex)
+        assert time.monotonic() - started < 10
+        assert "generate_title not enqueued" in caplog.text
+    finally:
+        server.stop()
+        app.close()

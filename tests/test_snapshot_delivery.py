@@ -47,10 +47,9 @@ class SlowInMemoryLayer(InMemoryChannelLayer):
 
 
 class SlowRedisLayer(RedisPubSubLayer):
-    # The pub/sub layer proxies its methods to a per-loop layer.
     async def group_send(self, group: str, message: dict[str, Any]) -> None:
         await _slowly(message)
-        await self._get_layer().group_send(group, message)
+        await super().group_send(group, message)
 
 
 def _layers(kind: str, request: pytest.FixtureRequest) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from asgiref.sync import AsyncToSync, sync_to_async
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connections
 
+from chatcore.common.errors import Overloaded
+
 P = ParamSpec("P")
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741 (an item)
@@ -186,16 +188,24 @@ class Batch(Generic[I, R]):
     trip as soon as one is back, one result per item, in order; its error is every item's.
     For work whose per-call cost dwarfs the per-item one (a round trip to a cache server): a
     burst of calls costs a few trips, not one each (the send-rate charges made from the
-    loop, `limits.acharge`). Its trips never wait for a database thread, nor for the event
+    loop, `rates.acharge`). Its trips never wait for a database thread, nor for the event
     loop: `start` hands back the trip thread's own future, which a database thread may wait
     on, and which is settled the moment the trip is back, however busy the loop is."""
 
     def __init__(
-        self, name: str, run_many: Callable[[list[I]], list[R]], *, max_batch: int = 256
+        self,
+        name: str,
+        run_many: Callable[[list[I]], list[R]],
+        *,
+        max_batch: int = 256,
+        max_waiting: int = 10_000,
     ) -> None:
         self.name = name
         self.run_many = run_many
         self.max_batch = max_batch
+        # I3: items waiting for a trip at most (a server that answers slowly holds each trip
+        # up to its timeout); past it an item is refused with `Overloaded`.
+        self.max_waiting = max_waiting
         self._items: list[tuple[I, concurrent.futures.Future[R]]] = []
         self._ready = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
@@ -210,6 +220,8 @@ class Batch(Generic[I, R]):
         set on the trip's thread."""
         future: concurrent.futures.Future[R] = concurrent.futures.Future()
         with self._ready:
+            if len(self._items) >= self.max_waiting:
+                raise Overloaded()
             self._items.append((item, future))
             if self._thread is None:
                 self._thread = threading.Thread(

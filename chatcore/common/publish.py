@@ -56,11 +56,14 @@ def engine_control_group() -> str:
 
 class GroupListener(Protocol):
     """Told by the process's channel layer of every message a group gets here (`heard`: one
-    sent from this process, or one from another that reached this process's subscription),
-    and when the layer may have lost some (`lost`): what the per-process caches of the
-    connections' state (`engine.lists`) are dropped by."""
+    sent from this process; the embedded layer), or of every message a channel of this
+    process takes (`heard_on`: its group's, another process's too; the Redis layer), and
+    when messages may have been lost (`lost`: the layer watch): what the per-process caches
+    of the connections' state (`engine.lists`) are dropped by."""
 
     def heard(self, group: str) -> None: ...
+
+    def heard_on(self, channel: str) -> None: ...
 
     def lost(self) -> None: ...
 
@@ -76,9 +79,9 @@ def listen(layer: Any, listener: GroupListener) -> bool:
 
 
 async def join(layer: Any, groups: Iterable[str], channel: str) -> None:
-    """`channel` joins every group of `groups` in one go on the project's layers (a socket's
-    login, chat and dialog groups: one subscription command on Redis, not one each), one by
-    one on any other layer."""
+    """`channel` joins every group of `groups`: in one call on a layer that can
+    (`group_add_many`: the embedded one, a socket's login, chat and dialog groups at one
+    join time), one by one on any other."""
     many = getattr(layer, "group_add_many", None)
     if many is not None:
         await many(list(groups), channel)

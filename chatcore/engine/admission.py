@@ -97,7 +97,6 @@ def admit_and_start(
     states: SessionStates,
     start_as: str | None,
     held: Lease | None = None,
-    charge: limits.PendingCharge | None = None,
     on_started: Callable[[Started], None] | None = None,
     context_chars: int | None = None,
 ) -> tuple[Ack, Started | None]:
@@ -118,10 +117,8 @@ def admit_and_start(
     the turn's context, `context_chars`), sent together; the last three writes as one
     statement (`rows.merged`).
 
-    `charge`: the send-rate charge (`limits.PendingCharge`), written to Redis once the lock's
-    statements are on their way and read last inside the transaction, its refusal rolling
-    everything back. `on_started`: called with the started turn as soon as it is decided,
-    before that read and the COMMIT (the turn's input built meanwhile, `Engine.submit`); a
+    `on_started`: called with the started turn as soon as it is decided, before the COMMIT
+    (the turn's input built meanwhile, `Engine.submit`); a
     `Started` of an attempt that did not commit is never returned, so what was made for it
     goes unused. `context_chars`: for a send that may start its turn, the turn's context is
     read in the lock's round trip, its window `context_chars` characters at most
@@ -132,8 +129,6 @@ def admit_and_start(
             admitted = decide()
             if on_started is not None and admitted[2] is not None:
                 on_started(admitted[2])
-            if charge is not None:
-                charge.wait()
             return admitted
 
     def decide() -> tuple[Ack, services.Appended | None, Started | None]:
@@ -145,14 +140,8 @@ def admit_and_start(
             if may_start and context_chars is not None
             else None
         )
-        # The charge is written once the first statements are on their way: its round trip
-        # beside theirs.
         live, state = admission_lock.lock_for_admission(
-            session.pk,
-            inbound.owner.pk,
-            slot=slot,
-            context=context,
-            alongside=charge.send if charge is not None else None,
+            session.pk, inbound.owner.pk, slot=slot, context=context
         )
         if inbound.accept is not None:
             inbound.accept()
@@ -172,11 +161,7 @@ def admit_and_start(
         ack, appended, _turn = _admit_locked(inbound, live, cfg=cfg, state=state)
         return ack, appended, None
 
-    try:
-        ack, appended, started = storage.storage_retry(write, what="admit", session=session)
-    finally:
-        if charge is not None:
-            charge.settle()  # read, when the transaction ended before it was
+    ack, appended, started = storage.storage_retry(write, what="admit", session=session)
     if appended is not None:
         states.apply_appended(appended)
     return ack, started

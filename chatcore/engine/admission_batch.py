@@ -15,7 +15,7 @@ from django.db import DatabaseError, transaction
 from chatcore.common.errors import Overloaded, QueueFull
 from sessions_app.models import Session
 
-from . import admission_lock, limits
+from . import admission_lock
 from .admission import start_locked
 from .gather import ALONE
 from .ingress import Ack, Inbound
@@ -29,20 +29,19 @@ logger = logging.getLogger(__name__)
 class Admission:
     """One send of a batch admitted together (`admit_and_start_many`): a send or steer that
     may start its turn under a new lease for `start_as` (no lingering worker's lease, no
-    chat app's `accept`). `charge`, `on_started` and `context_chars` as for
+    chat app's `accept`). `on_started` and `context_chars` as for
     `admission.admit_and_start`."""
 
     inbound: Inbound
     session: Session
     start_as: str
-    charge: limits.PendingCharge | None = None
     on_started: Callable[[Started], None] | None = None
     context_chars: int | None = None
 
 
-# `admit_and_start_many`'s outcome of one send: its ack and started turn, its own error, or
-# `ALONE` (it is admitted on its own, `admission.admit_and_start`, after the batch).
-AdmissionOutcome = tuple[Ack, Started] | BaseException | object
+# `admit_and_start_many`'s outcome of one send: its ack and started turn, or `ALONE` (it is
+# admitted on its own, `admission.admit_and_start`, after the batch).
+AdmissionOutcome = tuple[Ack, Started] | object
 
 
 def admit_and_start_many(
@@ -55,33 +54,29 @@ def admit_and_start_many(
 
     One round trip reads the sends' turn contexts, locks the dialogs' rows, then the
     senders' rows, skipping any row another transaction holds, and reads every dialog's queue
-    and F7 counts after those locks; the batch's send-rate charges go to Redis meanwhile. A
-    batch never waits for a lock, so it is never part of a circle of transactions waiting
-    on each other (a lease renewal locks many dialogs in the order it finds them, another
-    process's batch locks its own), and one contended row holds up no other send of the
-    batch: the send whose dialog or sender was skipped goes alone, and waits there. Then
-    each started turn's writes are its one statement (`rows.merged`).
+    and F7 counts after those locks. A batch never waits for a lock, so it is never part of
+    a circle of transactions waiting on each other (a lease renewal locks many dialogs in the
+    order it finds them, another process's batch locks its own), and one contended row holds
+    up no other send of the batch: the send whose dialog or sender was skipped goes alone,
+    and waits there. Then each started turn's writes are its one statement (`rows.merged`).
 
     A send that does not start there and then (its row held elsewhere, a dialog busy or
     gone, a lease live elsewhere, inputs staged, no free slot, a full queue) is left alone
     (`ALONE`): the
     caller admits it on its own after this transaction, which refuses or queues it exactly
-    as for any send. A refused send-rate charge is that send's error, and the others go on;
-    an error of the transaction itself leaves every send to go alone (with its retries)."""
+    as for any send. An error of the transaction itself leaves every send to go alone (with
+    its retries)."""
     outcomes: list[AdmissionOutcome] = [ALONE] * len(batch)
 
     def write() -> list[tuple[int, Ack, Started]]:
         done: list[tuple[int, Ack, Started]] = []
         with transaction.atomic():
             confirmed = time.monotonic()
-            # The batch's charges in one write, their round trip beside the locks'.
-            found = admission_lock.lock_many(batch, alongside=lambda: limits.send_together(charges))
+            found = admission_lock.lock_many(batch)
             for i, admission in enumerate(batch):
                 # Its writes one statement (`rows.merged`).
                 started = _start_one(admission, found, cfg=cfg, confirmed=confirmed)
-                if isinstance(started, Exception):
-                    outcomes[i] = started
-                elif started is not None:
+                if started is not None:
                     ack = Ack(
                         started.session,
                         str(started.turn.pk),
@@ -95,16 +90,12 @@ def admit_and_start_many(
                     batch[i].on_started(started)  # type: ignore[misc]
         return done
 
-    charges = [a.charge for a in batch if a.charge is not None]
     try:
         done = write()
     except DatabaseError as exc:
         # Rolled back: nothing of it stays, and each send is admitted on its own.
         logger.warning("a batch of %d admissions failed; each goes alone: %s", len(batch), exc)
         return outcomes
-    finally:
-        for charge in charges:
-            charge.settle()  # read, for those the batch did not get to
     for i, ack, started in done:
         if started.appended is not None:
             # Its user message, in the history this process holds (A4: once committed), as
@@ -122,22 +113,15 @@ def _start_one(
     *,
     cfg: dict[str, Any],
     confirmed: float,
-) -> Started | Exception | None:
-    """`admit_and_start_many`'s start of one send on its locked row: the started turn, the
-    send's refused charge, or None (it goes alone)."""
+) -> Started | None:
+    """`admit_and_start_many`'s start of one send on its locked row: the started turn, or
+    None (it goes alone)."""
     got = found.get(str(admission.session.pk))
     if got is None:
         return None  # gone: refused on its own (NotFound)
     live, state = got
     if state.busy or state.staged:
         return None
-    if admission.charge is not None:
-        try:
-            # Before its writes (a refusal leaves nothing of it behind); written with the
-            # batch's first statements, so it is back by now.
-            admission.charge.wait()
-        except Exception as exc:  # noqa: BLE001 (the send's own refusal or error)
-            return exc
     try:
         return start_locked(
             admission.inbound,

@@ -6,7 +6,7 @@ written in SQL: our own tables, values as parameters."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from django.contrib.auth.models import User
@@ -46,7 +46,6 @@ def lock_for_admission(
     *,
     slot: tuple[str, str, Any] | None = None,
     context: selectors.TurnContextStatement | None = None,
-    alongside: Callable[[], None] | None = None,
 ) -> tuple[Session, QueueState]:
     """`queue.lock_live`, with the dialog's queue counts (G6: admission costs one read, whatever it
     finds, on SQLite). It runs for every send, so it is written in SQL: our own tables,
@@ -70,8 +69,7 @@ def lock_for_admission(
     before the lock, so a long dialog's read holds no lock another send waits for (its
     sender's row: the sender's other dialogs, F7); what commits between it and the lock
     shows in the row's revision, and the build then reads anew
-    (`builder.admitted_context`). `alongside`: run once these statements are on their way,
-    while the server works on them (the send-rate charge's write, `limits.PendingCharge`)."""
+    (`builder.admitted_context`)."""
     counts, count_params = _count_columns(session_pk, owner_id, slot)
     read = None
     with rows.cursor() as cursor:
@@ -91,16 +89,12 @@ def lock_for_admission(
                     # own snapshot): no row when the dialog is gone.
                     sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                     counting.execute(sql, [*count_params, session_pk])
-                    if alongside is not None:
-                        alongside()  # the statements are sent: they run meanwhile
                 found = cursor.fetchone()
                 if found is not None:
                     row = (*found, *counting.fetchone())
                     if context is not None:
                         read = context.result(reading.fetchall())
         else:
-            if alongside is not None:
-                alongside()
             cursor.execute(
                 f"SELECT {rows.columns(Session, 's')}, {counts} FROM {_LIVE}",  # noqa: S608
                 [*count_params, session_pk],
@@ -177,9 +171,7 @@ class Locking(Protocol):
     context_chars: int | None
 
 
-def lock_many(
-    batch: Sequence[Locking], *, alongside: Callable[[], None] | None = None
-) -> dict[str, tuple[Session, QueueState]]:
+def lock_many(batch: Sequence[Locking]) -> dict[str, tuple[Session, QueueState]]:
     """`lock_for_admission` for a batch (`admission_batch.admit_and_start_many`): the live
     dialogs' rows and counts (and the contexts of the sends that ask for one, read before the
     locks), by id, of the sends whose dialog and sender rows it locked; a dialog gone, or one
@@ -224,8 +216,6 @@ def lock_many(
                 counts, params = _count_columns(session.pk, inbound.owner.pk, slot)
                 sql = f"SELECT {counts} FROM {_LIVE}"  # noqa: S608 (our own tables)
                 cursor.execute(sql, [*params, session.pk])
-            if alongside is not None:
-                alongside()  # the statements are sent: they run meanwhile
         locked = {s.pk: s for s in (rows.from_row(Session, row) for row in locking.fetchall())}
         owners_locked = {row[0] for row in owning.fetchall()}
         found = {}

@@ -23,7 +23,7 @@ from chatcore.common.ids import validate_part
 from sessions_app import selectors, services, usage
 from sessions_app.models import Session
 
-from . import limits
+from . import rates
 from .dialog_settings import catalog_for, dialog_settings_update
 from .dialogs import delete_dialog
 from .sessions import SessionStates, dialog_after_delete, dialog_create
@@ -111,8 +111,8 @@ async def run_command(ctx: CommandContext, text: str) -> CommandResult:
     if name != "stop":
         # F7: /compact starts model work (the send rate); every other command is a write
         # (the second budget). /stop only ever reduces work and is never refused.
-        budget = limits.SEND if name == "compact" else limits.WRITE
-        await limits.acharge(ctx.owner.pk, budget, ctx.engine.cfg if ctx.engine else None)
+        budget = rates.SEND if name == "compact" else rates.WRITE
+        await rates.acharge(ctx.owner.pk, budget, ctx.engine.cfg if ctx.engine else None)
     if args and not cmd.takes_args:
         raise BadRequest(
             _("/%(name)s takes no arguments. Usage: %(usage)s") % {"name": name, "usage": cmd.usage}

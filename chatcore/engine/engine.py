@@ -37,7 +37,16 @@ from chatcore.common.dbthreads import Lane, start_on_db
 from sessions_app import storage
 from sessions_app.models import Session, TurnMode, TurnStatus
 
-from . import admission, admission_batch, control, limits, queue, snapshots, turn_controls
+from . import (
+    admission,
+    admission_batch,
+    control,
+    limits,
+    queue,
+    rates,
+    snapshots,
+    turn_controls,
+)
 from .delivery import DeliveryCoordinator
 from .gather import Gathered
 from .ingress import Ack, Inbound, StopResult, check_inbound, check_model_work
@@ -170,6 +179,7 @@ class Engine:
         layer = get_channel_layer()
         if layer is not None:
             self.openings.attach(layer)
+            self.layer_watch.register(self.openings.layer_lost)
             self._control_channel = await layer.new_channel("engine.")
             await layer.group_add(publish.engine_control_group(), self._control_channel)
             self.supervisor.spawn(
@@ -214,15 +224,9 @@ class Engine:
     async def submit(self, inbound: Inbound, session: Session) -> Ack:
         """Admit one send/steer/inject for a dialog. Refusals raise and change nothing."""
         await check_inbound(inbound, session, cfg=self.cfg, closing=self.closing)
-        # F7: the send rate. With a cache server the charge's round trip runs beside the
-        # admission, whose transaction waits for it before committing (a refusal rolls it
-        # back); SQLite's write lane would hold every admission of its batch for it, so
-        # there the charge comes first.
-        charged = None
-        if self.writes is None:
-            charged = await limits.charge_beside(inbound.owner.pk, limits.SEND, self.cfg)
-        else:
-            await limits.acharge(inbound.owner.pk, limits.SEND, self.cfg)
+        # F7: the send rate, charged before the admission's transaction begins: it never
+        # waits on Redis while it holds the dialog's row or SQLite's write lock (I3).
+        await rates.acharge(inbound.owner.pk, rates.SEND, self.cfg)
         # G6: a send to a dialog this process does not run now may start its turn in the
         # admitting transaction (`admission.admit_and_start`), and so may one to a dialog whose
         # worker here lingers after its last turn (under that worker's lease, handed to it);
@@ -301,7 +305,6 @@ class Engine:
                 states=self.states,
                 start_as=start_as,
                 held=held,
-                charge=charged,
                 on_started=on_started,
                 context_chars=context_chars,
             )
@@ -323,7 +326,6 @@ class Engine:
                 inbound,
                 session,
                 start_as,
-                charge=charged,
                 on_started=on_started,
                 context_chars=context_chars,
             )

@@ -24,7 +24,7 @@ from chatcore.common.ids import FIRST_PARTY_CHANNELS, storable_text
 from sessions_app import selectors
 from sessions_app.models import Session
 
-from . import limits
+from . import rates
 
 MODES = ("send", "steer", "inject")
 
@@ -123,7 +123,7 @@ async def check_inbound(
 ) -> None:
     """Every refusal of a send/steer/inject before anything is stored: shutdown, mode,
     content, id length, a read-only linked dialog. The owner's send rate (F7) is charged
-    beside the admission (`Engine.submit`, `limits.charge_beside`)."""
+    after these and before the admission (`Engine.submit`, `rates.acharge`)."""
     if closing:
         raise ShuttingDown()
     if inbound.mode not in MODES:
@@ -150,4 +150,4 @@ async def check_model_work(owner: User, *, cfg: dict[str, Any], closing: bool) -
     send rate like a send (F7)."""
     if closing:
         raise ShuttingDown()
-    await limits.acharge(owner.pk, limits.SEND, cfg)
+    await rates.acharge(owner.pk, rates.SEND, cfg)

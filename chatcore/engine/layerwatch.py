@@ -9,11 +9,12 @@ connection that registered here is told once per outage, and closes (the client 
 and reads the state anew: its `sessions` and `session_history` frames) instead of waiting
 silently for frames that will never come.
 
-Publishes reconnect at once when Redis is back, but the subscription comes back only a second
-after its connection was lost (`redislayer.RESUBSCRIBE_SECONDS`), so the frames lost in
-between always include a ping. A ping that is only late (a loop busy with a hundred streams, a slow
-Redis) is not an outage: closing every socket then would only add a hundred reconnects to the
-load.
+Publishes reconnect at once when Redis is back, but channels_redis's receiving task opens its
+subscription again only a second after it failed, so the frames lost in between include a
+ping (unless a socket that connects meanwhile subscribes first: then the clients' own checks
+find what was lost, a gap in the snapshot tails (D1) or in the revisions (D2)). A ping that is
+only late (a loop busy with a hundred streams, a slow Redis) is not an outage: closing every
+socket then would only add a hundred reconnects to the load.
 """
 
 from __future__ import annotations

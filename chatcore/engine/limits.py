@@ -1,12 +1,8 @@
-"""Fairness limits (SPEC F3, F6, F7): one user never degrades the others.
+"""Fairness limits (SPEC F7): one user never degrades the others.
 
 Every number comes from `settings.CHAT` (env `CHAT_*`); callers that started under other
 settings (an engine keeps the settings it started with) pass their own `cfg`:
 
-- two per-user budgets a minute: sends (`RATE_LIMIT_PER_MINUTE`; sends, retries, continues
-  and `/compact`) and other writes (`WRITE_RATE_PER_MINUTE`; dialog create, rename, delete
-  and slash commands). Counters live in the Django cache, so in scaled mode (Redis) they are
-  shared by every process;
 - running turns per user (`USER_RUNNING_TURNS`): checked in the database when a worker claims
   a queued turn, so it holds across processes (`turn_may_start`); a dialog held back waits in
   its queue and is started when one of the user's turns ends (`waiting_dialogs`) or by the
@@ -14,12 +10,13 @@ settings (an engine keeps the settings it started with) pass their own `cfg`:
 - concurrent model calls of the process (`MODEL_CALLS_MAX`): `BoundedProvider` makes a call
   wait for a slot instead of ever waiting on the HTTP pool;
 - open WebSockets per user (`USER_SOCKETS_MAX`): `SocketRegistry` (one per engine).
+
+The per-user rate budgets are `rates`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import threading
@@ -27,18 +24,13 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from asgiref.sync import AsyncToSync
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.cache import caches
-from django.core.cache.backends.locmem import LocMemCache
-from django.core.cache.backends.redis import RedisCache
 from django.db import connection
 from django.db.models import Count, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from chatcore.common.dbthreads import Batch
-from chatcore.common.errors import RateLimited
 from chatcore.common.ids import FIRST_PARTY_CHANNELS
 from sessions_app.models import Session, Turn, TurnStatus
 from sessions_app.rows import cursor as sql_cursor
@@ -47,228 +39,9 @@ from .provider_types import ChatProvider, Completion, ProviderEvent
 
 logger = logging.getLogger(__name__)
 
-SEND = "send"
-WRITE = "write"
-_BUDGETS = {SEND: "RATE_LIMIT_PER_MINUTE", WRITE: "WRITE_RATE_PER_MINUTE"}
-
-
-# --- Rate budgets -------------------------------------------------------------------------
-
 
 def _cfg(cfg: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return settings.CHAT if cfg is None else cfg
-
-
-def charge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
-    """Count one request against the user's budget for this minute; over it raises
-    `RateLimited` with the seconds until the next minute (REST: `Retry-After`). A cache call:
-    run it off the event loop (`acharge`)."""
-    now = time.time()
-    _refuse_over(_count_many([_budget_key(user_id, budget, now)])[0], budget, cfg, now)
-
-
-def _budget_key(user_id: int, budget: str, now: float) -> str:
-    return f"rl:{budget}:{user_id}:{int(now // 60)}"
-
-
-def _refuse_over(count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-    if count > int(_cfg(cfg)[_BUDGETS[budget]]):
-        message = None if budget == SEND else _write_message()
-        raise RateLimited(message, retry_after=max(1.0, 60 - (now % 60)))
-
-
-def _count_many(keys: list[str]) -> list[int]:
-    """Add one to each counter of `keys` (created with a two-minute life; a key twice counts
-    twice) and return their counts. On Redis one round trip for all (SET NX and INCR each,
-    written together, `_start_counts`) instead of the cache API's three per key (add, then
-    incr's existence check and increment): every send pays it before admission."""
-    backend = caches["default"]
-    if isinstance(backend, RedisCache):
-        return _start_counts(keys).counts()
-    counts = []
-    for key in keys:
-        backend.add(key, 0, timeout=120)
-        try:
-            counts.append(int(backend.incr(key)))
-        except ValueError:  # expired between the two calls
-            backend.set(key, 1, timeout=120)
-            counts.append(1)
-    return counts
-
-
-class _CountTrip:
-    """Counts written to Redis and not read yet, on a connection of the cache's pool taken
-    for them (`_start_counts`): `counts()` reads the replies (once) and gives the connection
-    back. Between the two the caller does other work: its replies wait in the socket."""
-
-    def __init__(self, pool: Any, conn: Any, keys: int) -> None:
-        self._pool, self._conn, self._keys = pool, conn, keys
-        self._counts: list[int] | None = None
-        self._error: BaseException | None = None
-
-    def counts(self) -> list[int]:
-        if self._counts is None and self._error is None:
-            conn, self._conn = self._conn, None
-            try:
-                replies = [conn.read_response() for _ in range(2 * self._keys)]
-                self._counts = [int(count) for count in replies[1::2]]
-            except BaseException as exc:
-                conn.disconnect()  # replies may be owed: the connection is not used again
-                self._error = exc
-            finally:
-                self._pool.release(conn)
-        if self._error is not None:
-            raise self._error
-        assert self._counts is not None
-        return self._counts
-
-
-def _start_counts(keys: list[str]) -> _CountTrip:
-    """SET NX and INCR of each of `keys` (a two-minute life) written to the cache's Redis
-    now; the counts are read later (`_CountTrip.counts`)."""
-    backend = caches["default"]
-    assert isinstance(backend, RedisCache)
-    fulls = [backend.make_and_validate_key(key) for key in keys]
-    pool = backend._cache.get_client(fulls[0], write=True).connection_pool
-    commands: list[tuple[Any, ...]] = []
-    for full in fulls:
-        commands += [("SET", full, 0, "EX", 120, "NX"), ("INCR", full)]
-    # A connection the server closed while it sat in the pool is replaced by the pool's
-    # own check as it is taken.
-    conn = pool.get_connection()
-    try:
-        conn.send_packed_command(conn.pack_commands(commands))
-    except BaseException:
-        conn.disconnect()
-        pool.release(conn)
-        raise
-    return _CountTrip(pool, conn, len(fulls))
-
-
-# A burst of sends counts in a few round trips to the cache server, not one each.
-_COUNTS: Batch[str, int] = Batch("send-rate", _count_many)
-
-
-def _write_message() -> str:
-    from django.utils.translation import gettext as _
-
-    return _("Too many changes to your dialogs; slow down.")
-
-
-# Counters this process saw over their budget, with the count it saw: a counter only grows
-# within its minute, so the next request against it is refused here, with no round trip (nor,
-# for a send, the admission that would have run beside it: `charge_beside`). Keys name their
-# minute; the map is emptied when the minute changes.
-_over: dict[str, int] = {}
-_over_minute = 0
-
-
-def _known_over(key: str, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-    global _over_minute
-    minute = int(now // 60)
-    if minute != _over_minute:
-        _over.clear()
-        _over_minute = minute
-    seen = _over.get(key)
-    if seen is not None:
-        _refuse_over(seen, budget, cfg, now)
-
-
-def _counted(key: str, count: int, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-    try:
-        _refuse_over(count, budget, cfg, now)
-    except RateLimited:
-        _over[key] = count
-        raise
-
-
-async def acharge(user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None) -> None:
-
-    if isinstance(caches["default"], LocMemCache):
-        # Process memory (embedded mode): microseconds, no I/O; a trip to a worker thread
-        # and back would cost more than the count and delay every send's admission.
-        charge(user_id, budget, cfg)
-        return
-    # A cache server (scaled mode): off the loop, with the charges made meanwhile.
-    now = time.time()
-    key = _budget_key(user_id, budget, now)
-    _known_over(key, budget, cfg, now)
-    _counted(key, await _COUNTS.run(key), budget, cfg, now)
-
-
-class PendingCharge:
-    """A send-rate charge made by the send's admitting transaction on its own database thread
-    (`charge_beside`), beside its first round trip to the database: `send()` writes the
-    count to Redis once the transaction's first statements are on their way (the dialog's
-    lock, `admission_lock.lock_for_admission`), `wait()` just before the COMMIT reads it, by then
-    back in the socket, and a refusal raises there, so the transaction rolls back and the
-    send changes nothing, as if it had been refused first. No thread of its own and no trip
-    through the event loop: the admission waits for nothing but its own two round trips,
-    however busy the loop is with the rest of a burst. A batch of admissions sends all of
-    its charges in one write (`send_together`). The count is made once: an admission tried
-    again reads the first attempt's; `settle()` reads it, quietly, when the transaction
-    ended before `wait()`."""
-
-    def __init__(self, key: str, budget: str, cfg: Mapping[str, Any] | None, now: float) -> None:
-        self._key, self._budget, self._cfg, self._now = key, budget, cfg, now
-        self._trip: _CountTrip | None = None
-        self._at = 0  # this charge's count among its trip's
-
-    def send(self) -> None:
-        """Write the count to Redis, unless it was written already."""
-        if self._trip is None:
-            send_together([self])
-
-    def _count(self) -> int:
-        self.send()
-        assert self._trip is not None
-        count = self._trip.counts()[self._at]
-        # Seen over its budget: the next send against the counter is refused with no round
-        # trip (the admission's rollback or not).
-        with contextlib.suppress(RateLimited):
-            _counted(self._key, count, self._budget, self._cfg, self._now)
-        return count
-
-    def wait(self) -> None:
-        """The count back from Redis; raises its refusal or error. A database thread's call,
-        from inside the admitting transaction."""
-        _refuse_over(self._count(), self._budget, self._cfg, self._now)
-
-    def settle(self) -> None:
-        """Read a count written and not read yet (its connection goes back to the pool)."""
-        if self._trip is not None:
-            with contextlib.suppress(Exception):
-                self._count()
-
-
-def send_together(charges: list[PendingCharge]) -> None:
-    """Write the counts of `charges` not written yet, in one write (`PendingCharge.send`)."""
-    unsent = [charge for charge in charges if charge._trip is None]
-    if not unsent:
-        return
-    trip = _start_counts([charge._key for charge in unsent])
-    for at, charge in enumerate(unsent):
-        charge._trip, charge._at = trip, at
-
-
-async def charge_beside(
-    user_id: int, budget: str = SEND, cfg: Mapping[str, Any] | None = None
-) -> PendingCharge | None:
-    """`acharge`, for a request whose admission can run meanwhile (G6: a send's first token
-    does not wait for the cache server's round trip first). On Redis a `PendingCharge` comes
-    back for the admitting transaction to make and wait on (a counter already seen over its
-    budget refuses here, with no round trip); in process memory, on another cache server,
-    or for a synchronous caller (whose admission runs on its own thread), the charge is made
-    here and None comes back."""
-    if not isinstance(caches["default"], RedisCache) or (
-        getattr(AsyncToSync.executors, "current", None) is not None
-    ):
-        await acharge(user_id, budget, cfg)
-        return None
-    now = time.time()
-    key = _budget_key(user_id, budget, now)
-    _known_over(key, budget, cfg, now)
-    return PendingCharge(key, budget, cfg, now)
 
 
 # --- Running turns per user (across processes) ----------------------------------------------
@@ -553,7 +326,9 @@ class SocketRegistry:
         if self._redis is None:
             import redis
 
-            self._redis = redis.Redis.from_url(settings.REDIS_URL)
+            # I3: connect and reply timeouts (`settings.REDIS_OPTIONS`): a stalled Redis
+            # holds a connecting socket a few seconds, then the bound is this process's.
+            self._redis = redis.Redis.from_url(settings.REDIS_URL, **settings.REDIS_OPTIONS)
         return self._redis
 
     def open(self, user_id: int, conn_id: str, limit: int) -> bool:

@@ -13,12 +13,13 @@ current:
   is published to those groups (`publish.publish_to_chat`), so a change made after the read
   is heard here;
 - the process's channel layer tells it of every message of those groups as the layer sends
-  or receives it (`publish.listen`), not when a consumer gets to it, so no socket that joins
-  meanwhile is told a list older than what it will be sent next; the list is dropped then
-  and read again by the next socket that asks;
+  it (the embedded layer, `heard`) or as it reaches a watching socket's queue (the Redis
+  layer, `heard_on`), not when a consumer gets to it (`publish.listen`), so no socket that
+  joins meanwhile is told a list older than what it will be sent next; the list is dropped
+  then and read again by the next socket that asks;
 - a list read while a message of those groups was heard is not kept (the read may have
   missed the change), nor one whose groups its readers had not all joined before the read;
-- a layer that may have lost messages (a Redis connection lost) drops every list, and a
+- frames the layer watch found lost (a Redis connection lost) drop every list, and a
   list is kept `SESSIONS_CACHE_SECONDS` at most, whatever was heard: changes nobody announces
   (another program writing to the embedded database) show within that time.
 
@@ -138,6 +139,8 @@ class SessionLists:
         self._users: dict[int, _Watched] = {}
         # group -> users (and how many of their sockets) whose lists it announces changes of
         self._by_group: dict[str, Counter[int]] = {}
+        # The user of each watching socket, by its channel.
+        self._owners: dict[str, int] = {}
         # Reads under way, by user: (the list, the user's epoch when the read began).
         self._reading: dict[int, asyncio.Future[tuple[SessionList, int]]] = {}
         self.reads = 0  # lists read (not served from here), for tests and benchmarks
@@ -152,6 +155,7 @@ class SessionLists:
         watched = self._users.get(user_id)
         if watched is None:
             watched = self._users[user_id] = _Watched()
+        self._owners[channel] = user_id
         before = watched.sockets.get(channel, frozenset())
         joined = frozenset(groups)
         if before and not joined <= before:
@@ -166,6 +170,7 @@ class SessionLists:
             users[user_id] += 1
 
     def unwatch(self, user_id: int, channel: str) -> None:
+        self._owners.pop(channel, None)
         watched = self._users.get(user_id)
         if watched is None:
             return
@@ -261,6 +266,15 @@ class SessionLists:
         if not users:
             return
         for user_id in users:
+            watched = self._users.get(user_id)
+            if watched is not None:
+                watched.epoch += 1
+                watched.listing = None
+
+    def heard_on(self, channel: str) -> None:
+        """A message for the socket `channel` (a group's or its own) reached this process."""
+        user_id = self._owners.get(channel)
+        if user_id is not None:
             watched = self._users.get(user_id)
             if watched is not None:
                 watched.epoch += 1

@@ -229,6 +229,10 @@ class Openings:
     def attach(self, layer: Any) -> None:
         self.lists.attach(layer)
 
+    async def layer_lost(self) -> None:
+        """The layer watch saw frames lost (G5): what was kept on their word goes."""
+        self.lists.lost()
+
     async def open(self, opening: Opening) -> Opened:
         def alone() -> Coroutine[Any, Any, Opened]:
             return on_db_idempotent(self.open_one)(opening)

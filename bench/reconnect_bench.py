@@ -271,7 +271,7 @@ def measure(server: Server, holds: list[Held], args: argparse.Namespace) -> dict
     """Both storms against `server` (started here, restarted between them)."""
     row: dict[str, Any] = {}
 
-    async def fresh() -> list[Any]:
+    async def fresh() -> None:
         warm = await storm(server.url, holds[:10], False, 10)  # imports, first connections
         await close_all(warm["sockets"])
         await asyncio.sleep(1.0)
@@ -300,12 +300,11 @@ def measure(server: Server, holds: list[Held], args: argparse.Namespace) -> dict
             "full": first["full"] + second["full"],
             "unchanged": first["unchanged"] + second["unchanged"],
         }
-        return list(sockets)
+        await close_all(sockets)  # on the loop they were opened on
 
     server.start()
     try:
-        sockets = asyncio.run(fresh())
-        asyncio.run(close_all(sockets))
+        asyncio.run(fresh())
     finally:
         server.stop()
 

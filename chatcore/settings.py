@@ -341,7 +341,7 @@ CHAT: dict[str, Any] = {
     # at once on any change announced to the user's chats), and the JSON of the dialogs'
     # newest pages kept for the sockets that open them.
     "SESSIONS_CACHE_SECONDS": _env_int("CHAT_SESSIONS_CACHE_SECONDS", 10),
-    "PAGE_CACHE_MAX_BYTES": _env_int("CHAT_PAGE_CACHE_MAX_BYTES", 32 * 1024 * 1024),
+    "PAGE_CACHE_MAX_BYTES": _env_int("CHAT_PAGE_CACHE_MAX_BYTES", 64 * 1024 * 1024),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
     # G6/F7: threads that run the engine's and the async views' database calls side by side.

@@ -214,7 +214,7 @@ class Openings:
         spawn: Any,
     ) -> None:
         self.lists = SessionLists(float(cfg.get("SESSIONS_CACHE_SECONDS", 10)))
-        self.pages = Pages(int(cfg.get("PAGE_CACHE_MAX_BYTES", 32 * 1024 * 1024)))
+        self.pages = Pages(int(cfg["PAGE_CACHE_MAX_BYTES"]))
         self.states = states
         self.local_turns = local_turns
         self.page_max_bytes = int(cfg["HISTORY_PAGE_MAX_BYTES"])

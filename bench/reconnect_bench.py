@@ -179,6 +179,13 @@ def seed(args: argparse.Namespace) -> None:
             for seq in range(1, dialog.last_seq + 1)
         )
         print(api_token_issue(user=user, name="bench")[1], flush=True)
+    # A live database's planner knows its tables (autovacuum analyses them); one filled just
+    # now would plan each connect's reads as scans of tables it believes empty.
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("ANALYZE")
 
 
 # --- Clients ----------------------------------------------------------------------------------

@@ -389,3 +389,43 @@ async def test_a_sockets_frames_wait_in_a_light_inbox_whose_listeners_hear_them(
     finally:
         await sender.flush()
         await receiver.flush()
+
+
+async def test_a_processs_channels_share_one_subscription_and_any_process_reaches_them(
+    redis_url: str,
+) -> None:
+    # covers: D1, G5, I2 (issue 57: a storm of sockets subscribes nothing per socket; one
+    # pattern per process covers their channels, which another process, a stock
+    # channels_redis layer among them, still reaches by name; after a flush the next channel
+    # subscribes again). Pins the channels_redis 4.3.0 shard internals `new_channel` uses.
+    from channels_redis.pubsub import RedisPubSubChannelLayer, RedisSingleShardConnection
+
+    for name in ("_lock", "_pubsub", "_ensure_redis", "_ensure_receiver", "_receive_message"):
+        assert hasattr(RedisSingleShardConnection(redis_url, None), name), name
+    name = f"rl{uuid.uuid4().hex[:8]}"
+    sender, receiver = _layers({"address": redis_url, "client_name": name})
+    stock = RedisPubSubChannelLayer(hosts=[redis_url], prefix=receiver.prefix)
+    admin = aioredis.Redis.from_url(redis_url)
+
+    async def subscriptions() -> list[tuple[int, int]]:
+        clients = await admin.client_list()
+        return [(int(c["sub"]), int(c["psub"])) for c in clients if c["name"] == name]
+
+    try:
+        channels = [await receiver.new_channel() for _ in range(50)]
+        assert await admin.pubsub_channels(f"{receiver.prefix}*") == []
+        assert (0, 1) in await subscriptions()
+        assert sum(sub + psub for sub, psub in await subscriptions()) == 1
+        for n, channel in enumerate(channels):
+            await (stock if n % 2 else sender).send(channel, {"type": "x", "n": n})
+        got = [(await asyncio.wait_for(receiver.receive(c), 5))["n"] for c in channels]
+        assert got == list(range(50))
+        await receiver.flush()
+        assert (0, 1) not in await subscriptions()
+        again = await receiver.new_channel()
+        await sender.send(again, {"type": "x", "n": 99})
+        assert (await asyncio.wait_for(receiver.receive(again), 5))["n"] == 99
+    finally:
+        await admin.aclose()
+        await stock.flush()
+        await _flushed(sender, receiver)

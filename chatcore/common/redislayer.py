@@ -1,9 +1,14 @@
 """The scaled mode's channel layer: channels_redis's pub/sub layer, with a process's publishes
 batched and its own consumers' frames delivered without a round trip through Redis.
 
-Subscriptions, groups and receiving are channels_redis's (`RedisPubSubChannelLayer`), as are
-the connections' options: the host's URL and keyword options (settings give every Redis
-client connect and reply timeouts, `settings.REDIS_OPTIONS`; a URL's own options win).
+Groups, their subscriptions and receiving are channels_redis's (`RedisPubSubChannelLayer`),
+as are the connections' options: the host's URL and keyword options (settings give every
+Redis client connect and reply timeouts, `settings.REDIS_OPTIONS`; a URL's own options win).
+
+A consumer's own channel: channels_redis subscribes each one (a SUBSCRIBE when a socket
+opens, an UNSUBSCRIBE when it closes: 10,000 of each for a reconnect storm, issue 57). Here
+its name carries its loop's tag, and one pattern subscription per loop, on channels_redis's
+subscriber connection, covers them all (`new_channel`); any process reaches it by name.
 
 Publishes: channels_redis sends every publish of a process through one connection under a
 lock, a round trip each; a hundred streaming answers queued behind it. Here a publish joins
@@ -99,8 +104,14 @@ class Publisher:
     of its own (channels_redis's connection for publishes is taken under the lock that its
     subscriptions also take)."""
 
-    def __init__(self, host: dict[str, Any]) -> None:
+    def __init__(self, host: dict[str, Any], prefix: str) -> None:
         self.origin = MARK + uuid.uuid4().bytes
+        # What the names of this loop's channels carry (`RedisPubSubLayer.new_channel`).
+        self.tag = self.origin[1:7].hex()
+        self.pattern = f"{prefix}*{self.tag}!*"
+        # The subscriber (channels_redis's shard's redis-py `PubSub`) that subscribed to
+        # `pattern`; a new one after a `flush` subscribes again.
+        self.heard_on: Any = None
         options = dict(host)
         self._client = aioredis.Redis.from_url(options.pop("address"), **options)
         self._outbox: deque[tuple[str, bytes, asyncio.Future[None]]] = deque()
@@ -180,7 +191,7 @@ class RedisPubSubLayer(RedisPubSubChannelLayer):
         loop = asyncio.get_running_loop()
         publisher = self._publishers.get(loop)
         if publisher is None:
-            publisher = self._publishers[loop] = Publisher(self.host)
+            publisher = self._publishers[loop] = Publisher(self.host, self.prefix)
         return publisher
 
     def group_channel(self, group: str) -> str:
@@ -196,10 +207,33 @@ class RedisPubSubLayer(RedisPubSubChannelLayer):
         return super().deserialize(message)
 
     async def new_channel(self, prefix: str = "specific.") -> str:
-        name: str = await super().__getattr__("new_channel")(prefix)
+        """A channel of this loop's. Its name carries the loop's tag (`Publisher.tag`), and
+        one pattern subscription per loop covers every such name (`_hear_own`): a socket's
+        channel costs no SUBSCRIBE of its own, nor its end an UNSUBSCRIBE (issue 57: 10,000
+        sockets back at once made 10,000 of each). Any process still reaches it by name."""
+        publisher = self._publisher()
+        name = f"{self.prefix}{prefix}{publisher.tag}!{uuid.uuid4().hex}"
+        loop_layer = self._get_layer()
         # Nothing is published to a name before it exists: the queue is still empty.
-        self.channels[name] = Inbox(self._publisher().origin, self, name)
+        loop_layer.channels[name] = Inbox(publisher.origin, self, name)
+        await self._hear_own(loop_layer, publisher)
         return name
+
+    async def _hear_own(self, loop_layer: Any, publisher: Publisher) -> None:
+        """The loop's pattern subscription, made on its first channel and again after a
+        `flush`, on channels_redis's own subscriber connection (whose receiving task puts a
+        pattern's frame in the queue of the channel it names, as a channel's; redis-py
+        subscribes to it again on a new connection). Uses channels_redis's shard internals,
+        pinned by `tests/test_redislayer.py`."""
+        shard = loop_layer._get_shard(publisher.pattern)
+        if shard._pubsub is not None and shard._pubsub is publisher.heard_on:
+            return
+        async with shard._lock:
+            shard._ensure_redis()
+            shard._ensure_receiver()
+            if shard._pubsub is not publisher.heard_on:
+                await shard._pubsub.psubscribe(publisher.pattern)
+                publisher.heard_on = shard._pubsub
 
     async def send(self, channel: str, message: dict[str, Any]) -> None:
         data = self.serialize(message)

@@ -25,22 +25,35 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from django.conf import settings
 
-if TYPE_CHECKING:
-    from .logins import Login
+
+class Credential(Protocol):
+    """What the cache reads of a login (`logins.Login`) to forget it."""
+
+    @property
+    def user_id(self) -> int: ...
+
+    @property
+    def session_key(self) -> str | None: ...
+
+    @property
+    def token_id(self) -> int | None: ...
+
+
+L = TypeVar("L", bound=Credential)
 
 MAX_ENTRIES = 100_000
 
 
-class LoginCache:
+class LoginCache(Generic[L]):
     """Logins by key (`token_key`, `session_key_of`), each kept `max_age` seconds."""
 
     def __init__(self, max_age: float | None = None) -> None:
         self._max_age = max_age
-        self._entries: dict[str, tuple[float, Any, Login]] = {}
+        self._entries: dict[str, tuple[float, Any, L]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -49,7 +62,7 @@ class LoginCache:
             return self._max_age
         return float(settings.CHAT.get("LOGIN_CACHE_SECONDS", 2))
 
-    def get(self, key: str) -> tuple[Any, Login] | None:
+    def get(self, key: str) -> tuple[Any, L] | None:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
@@ -59,7 +72,7 @@ class LoginCache:
                 return None
             return found[1], found[2]
 
-    def put(self, key: str, user: Any, login: Login) -> None:
+    def put(self, key: str, user: Any, login: L) -> None:
         max_age = self.max_age
         if max_age <= 0:
             return
@@ -91,7 +104,7 @@ class LoginCache:
                 and entry[2].token_id not in tokens
             }
 
-    def forget_login(self, login: Login) -> None:
+    def forget_login(self, login: L) -> None:
         self.forget(
             session_keys=[login.session_key] if login.session_key else [],
             token_ids=[login.token_id] if login.token_id is not None else [],
@@ -107,11 +120,11 @@ def session_key_of(session_key: str) -> str:
     return "s:" + session_key
 
 
-_cache: LoginCache | None = None
+_cache: LoginCache[Any] | None = None
 _cache_lock = threading.Lock()
 
 
-def cache() -> LoginCache:
+def cache() -> LoginCache[Any]:
     """This process's cache (made on first use)."""
     global _cache
     if _cache is None:

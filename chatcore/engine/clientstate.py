@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from channels.layers import get_channel_layer
 
@@ -22,8 +22,15 @@ from .lists import SessionList
 from .turns.outcome import present_notice
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .snapshots import LocalTurn
+
+
+class RunsTurns(Protocol):
+    """What these readers ask of the engine (`engine.Engine`): the turns this process runs,
+    whose text is newer than any checkpoint."""
+
+    @property
+    def local(self) -> Mapping[str, LocalTurn]: ...
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +88,7 @@ def sessions_listing(
     return SessionList(items, web, frozenset(groups))
 
 
-def active_turn(session: Session, engine: Engine | None) -> dict[str, Any] | None:
+def active_turn(session: Session, engine: RunsTurns | None) -> dict[str, Any] | None:
     """The running turn's snapshot with the full text so far (`text_offset` 0): from this
     process's engine when it runs the turn, else from the turn's last checkpoint (C11)."""
     running = selectors.turn_running(session_pk=session.pk)
@@ -122,7 +129,7 @@ def queue_items(session: Session) -> list[dict[str, Any]]:
 def session_history_frame(
     *,
     session: Session,
-    engine: Engine | None,
+    engine: RunsTurns | None,
     before_seq: int | None = None,
     limit: int = selectors.HISTORY_PAGE_DEFAULT,
 ) -> dict[str, Any]:
@@ -142,7 +149,7 @@ def session_history_frame(
 
 
 def session_state(
-    session: Session, engine: Engine | None, used: dict[str, int] | None = None
+    session: Session, engine: RunsTurns | None, used: dict[str, int] | None = None
 ) -> dict[str, Any]:
     """A dialog as the REST API returns it; `used`: its usage totals, when read already (a
     page of dialogs reads them in one query)."""

@@ -342,6 +342,9 @@ CHAT: dict[str, Any] = {
     # newest pages kept for the sockets that open them.
     "SESSIONS_CACHE_SECONDS": _env_int("CHAT_SESSIONS_CACHE_SECONDS", 10),
     "PAGE_CACHE_MAX_BYTES": _env_int("CHAT_PAGE_CACHE_MAX_BYTES", 64 * 1024 * 1024),
+    # Issue 57: allocations between two collections of the youngest generation in `serve`
+    # (`chatcore.common.heap.settle`; Python's default is 700).
+    "GC_YOUNG_THRESHOLD": _env_int("CHAT_GC_YOUNG_THRESHOLD", 20_000),
     "LEASE_SECONDS": _env_int("CHAT_LEASE_SECONDS", 15),
     "CHECKPOINT_SECONDS": 1.0,
     # G6/F7: threads that run the engine's and the async views' database calls side by side.

@@ -69,6 +69,8 @@ def test_health_shows_the_served_heap_settled_and_the_collectors_pauses(
         time.sleep(0.1)
 
     assert collector["frozen_objects"] > 10_000
+    # issue 57: the youngest generation is collected after 20,000 allocations, not 700
+    assert collector["young_threshold"] == 20_000
     assert 0 <= collector["longest_pause_ms"] <= collector["pause_ms_total"]
 
 

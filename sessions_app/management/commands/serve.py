@@ -197,7 +197,7 @@ async def _settle_heap() -> None:
     from chatcore.engine import runtime
 
     await runtime.get_engine()
-    heap.settle()
+    heap.settle(int(settings.CHAT["GC_YOUNG_THRESHOLD"]))
 
 
 def _engine_shutdown() -> defer.Deferred[None]:

@@ -19,6 +19,7 @@ turn and the queue (`engine.openings.open`, gathered with other sockets' opening
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -31,7 +32,7 @@ from django.utils.translation import gettext as _
 
 from audit.trail import scope_ip
 from chatcore.common import events, publish
-from chatcore.common.dbthreads import on_db, on_db_idempotent
+from chatcore.common.dbthreads import on_db_idempotent
 from chatcore.common.errors import BadRequest, ChatError, InternalError, RateLimited
 from chatcore.common.ids import owner_chat_id, validate_part
 from chatcore.engine import commands, rates, runtime
@@ -191,18 +192,19 @@ class ChatConsumer(ChatEventsConsumer):
     async def _unregister(self) -> None:
         if self.registered:
             self.registered = False
-            close = self.engine.sockets.close
-            if settings.SCALED:
-                await on_db(close)(self.scope["user"].pk, self.channel_name)
+            sockets, mine = self.engine.sockets, (self.scope["user"].pk, self.channel_name)
+            if settings.SCALED:  # a Redis round trip off the loop, one for a storm's sockets
+                await asyncio.wrap_future(sockets.closes.start(mine))
             else:
-                close(self.scope["user"].pk, self.channel_name)  # this process's count only
+                sockets.close(*mine)  # this process's count only
 
     async def _register(self, user: User) -> bool:
         """F7: count this socket among the user's open ones; past the bound, refuse it with
         a `rate_limited` error frame and close code 4429."""
         limit = int(self.engine.cfg["USER_SOCKETS_MAX"])
         if settings.SCALED:  # a Redis round trip, off the loop, one for a storm's sockets
-            opened = await self.engine.sockets.opens.run((user.pk, self.channel_name, limit))
+            started = self.engine.sockets.opens.start((user.pk, self.channel_name, limit))
+            opened = await asyncio.wrap_future(started)
         else:
             opened = self.engine.sockets.open(user.pk, self.channel_name, limit)
         if opened:

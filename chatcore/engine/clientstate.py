@@ -32,6 +32,7 @@ class RunsTurns(Protocol):
     @property
     def local(self) -> Mapping[str, LocalTurn]: ...
 
+
 logger = logging.getLogger(__name__)
 
 # Snapshot tails this process's connections found missing (a layer at capacity drops frames

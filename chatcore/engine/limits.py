@@ -297,6 +297,30 @@ def bounded(provider: ChatProvider, cfg: Mapping[str, Any] | None = None) -> Cha
 # --- Open WebSockets per user ---------------------------------------------------------------
 
 
+# F7 across processes: for each socket of a batch, in one atomic step on the server, its
+# user's entries past their time go, the socket is added, and when the user's count then
+# passes its bound the socket is taken out again (refused). KEYS: each socket's user's set;
+# ARGV: now, the TTL, then each socket's id and bound. One reply per socket, 1: counted.
+_OPEN_SCRIPT = """
+local now = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local conn = ARGV[1 + 2 * i]
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZADD', key, now + ttl, conn)
+  if redis.call('ZCARD', key) > tonumber(ARGV[2 + 2 * i]) then
+    redis.call('ZREM', key, conn)
+    out[i] = 0
+  else
+    redis.call('EXPIRE', key, ttl)
+    out[i] = 1
+  end
+end
+return out
+"""
+
+
 class SocketRegistry:
     """Open WebSockets per user (F7). In embedded mode a process-local count; in scaled mode
     each connection is also a member of a per-user sorted set in Redis, scored by when it
@@ -309,9 +333,12 @@ class SocketRegistry:
         self._local: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         self._redis: Any = None
-        # Scaled mode: the sockets of a reconnect storm registered a pipeline per batch
-        # (issue 57), `opens.run((user_id, conn_id, limit))`.
+        self._open_script: Any = None
+        # Scaled mode: the sockets of a reconnect storm registered, and closed, a round trip
+        # per batch (issue 57): `opens.run((user_id, conn_id, limit))`,
+        # `closes.run((user_id, conn_id))`.
         self.opens: Batch[tuple[int, str, int], bool] = Batch("socket-opens", self.open_many)
+        self.closes: Batch[tuple[int, str], None] = Batch("socket-closes", self.close_many)
 
     def open_many(self, items: list[tuple[int, str, int]]) -> list[bool]:
         """`open` of several sockets, their Redis commands in one round trip."""
@@ -356,42 +383,42 @@ class SocketRegistry:
         client = self._client()
         if client is None:
             return [None] * len(items)
-        now = time.time()
+        args: list[Any] = [time.time(), self.TTL_SECONDS]
+        for _user_id, conn_id, limit in items:
+            args += [conn_id, limit]
         try:
-            pipe = client.pipeline()
-            for user_id, conn_id, _limit in items:
-                key = f"ws:user:{user_id}"
-                pipe.zremrangebyscore(key, "-inf", now)
-                pipe.zadd(key, {conn_id: now + self.TTL_SECONDS})
-                pipe.zcard(key)
-                pipe.expire(key, self.TTL_SECONDS)
-            replies = pipe.execute()
-            counts = replies[2::4]
-            over = [(u, c) for (u, c, n), count in zip(items, counts, strict=True) if count > n]
-            if over:
-                pipe = client.pipeline()
-                for user_id, conn_id in over:
-                    pipe.zrem(f"ws:user:{user_id}", conn_id)
-                pipe.execute()
-            return [count <= n for (_u, _c, n), count in zip(items, counts, strict=True)]
+            if self._open_script is None:
+                self._open_script = client.register_script(_OPEN_SCRIPT)
+            keys = [f"ws:user:{user_id}" for user_id, _c, _n in items]
+            replies = self._open_script(keys=keys, args=args, client=client)
+            return [bool(reply) for reply in replies]
         except Exception:
             logger.warning("socket registry: Redis unavailable; counting this process only")
             return [None] * len(items)
 
     def close(self, user_id: int, conn_id: str) -> None:
+        self.close_many([(user_id, conn_id)])
+
+    def close_many(self, items: list[tuple[int, str]]) -> list[None]:
+        """Closed sockets stop counting: at once here, in one round trip in Redis."""
         with self._lock:
-            conns = self._local.get(user_id)
-            if conns is not None:
-                conns.discard(conn_id)
-                if not conns:
-                    del self._local[user_id]
+            for user_id, conn_id in items:
+                conns = self._local.get(user_id)
+                if conns is not None:
+                    conns.discard(conn_id)
+                    if not conns:
+                        del self._local[user_id]
         client = self._client()
         if client is not None:
             try:
-                client.zrem(f"ws:user:{user_id}", conn_id)
+                pipe = client.pipeline(transaction=False)
+                for user_id, conn_id in items:
+                    pipe.zrem(f"ws:user:{user_id}", conn_id)
+                pipe.execute()
             except Exception:
-                # It stops counting by itself after TTL_SECONDS.
-                logger.warning("socket registry: could not remove a closed socket")
+                # They stop counting by themselves after TTL_SECONDS.
+                logger.warning("socket registry: could not remove %d closed socket(s)", len(items))
+        return [None] * len(items)
 
     def refresh(self) -> None:
         """Scaled mode: keep this process's open connections counted (called periodically)."""

@@ -22,7 +22,9 @@ can tell "not logged in" from a network failure.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -160,18 +162,51 @@ async def _token_lookups() -> Gathered[str, ApiToken | None]:
     return lookups
 
 
+# Lookups under way, by cache key: the sockets of one login that open together (every tab of
+# a user, back after a restart) wait for the first one's lookup instead of each making one.
+_under_way: dict[str, asyncio.Future[Any]] = {}
+# What a lookup that failed or was cancelled leaves its waiters: each looks up on its own.
+_FAILED = object()
+
+
+async def _shared(
+    key: str, lookup: Callable[[], Awaitable[tuple[Any, Login] | None]]
+) -> tuple[Any, Login] | None:
+    loop = asyncio.get_running_loop()
+    pending = _under_way.get(key)
+    if pending is not None and pending.get_loop() is loop:
+        shared = await asyncio.shield(pending)
+        if shared is not _FAILED:
+            return shared
+    mine: asyncio.Future[Any] = loop.create_future()
+    _under_way[key] = mine
+    outcome: Any = _FAILED
+    try:
+        found = await lookup()
+        outcome = found
+        return found
+    finally:
+        if _under_way.get(key) is mine:
+            del _under_way[key]
+        mine.set_result(outcome)
+
+
 async def _token_login(raw: str) -> tuple[Any, Login] | None:
     cache = login_cache.cache()
     key = login_cache.token_key(hash_token(raw.strip()))
     found = cache.get(key)
     if found is not None:
         return found
+    return await _shared(key, lambda: _read_token_login(raw, key))
+
+
+async def _read_token_login(raw: str, key: str) -> tuple[Any, Login] | None:
     lookups = await _token_lookups()
     token = await lookups(raw, lambda: on_db_idempotent(token_for_raw)(raw))
     if token is None:
         return None
     login = login_for_token(token.user, token.pk)
-    cache.put(key, token.user, login)
+    login_cache.cache().put(key, token.user, login)
     return token.user, login
 
 
@@ -182,13 +217,18 @@ async def _session_login(scope: dict[str, Any]) -> tuple[Any, Login] | None:
     if not key:
         return None
     cache = login_cache.cache()
-    found = cache.get(login_cache.session_key_of(key))
+    cached = login_cache.session_key_of(key)
+    found = cache.get(cached)
     if found is not None:
         return found
-    found = await on_db_idempotent(_read_session_login)(key)
-    if found is not None:
-        cache.put(login_cache.session_key_of(key), *found)
-    return found
+
+    async def read() -> tuple[Any, Login] | None:
+        found = await on_db_idempotent(_read_session_login)(key)
+        if found is not None:
+            cache.put(cached, *found)
+        return found
+
+    return await _shared(cached, read)
 
 
 class _SessionRequest:

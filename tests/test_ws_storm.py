@@ -130,6 +130,18 @@ async def test_tokens_of_sockets_opening_together_are_read_in_one_statement(
         await ws.close()
 
 
+async def test_the_sockets_of_one_login_opening_together_look_it_up_once(
+    engine: Any, user: Any, lookups: list[int]
+) -> None:
+    # covers: F2, F7 (every tab of a user back at once after a restart: the first socket's
+    # lookup serves the others, which wait for it rather than each reading the token)
+    headers = await bearer(user)
+    sockets = await asyncio.gather(*(opened(headers) for _ in range(8)))
+    assert lookups == [1]
+    for ws in sockets:
+        await ws.close()
+
+
 async def test_the_sockets_of_a_user_opening_together_read_their_list_once(
     engine: Any, user: Any
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,6 +37,7 @@ class Model:
         self.title: Reply = Reply(text="Kyoto trip plans")
         self.summary: Reply = Reply(text="SUMMARY: the user plans a trip to Kyoto")
         self.title_requests: list[dict[str, Any]] = []
+        self.title_arrivals: list[float] = []  # monotonic time each title request came in
         self.summary_requests: list[dict[str, Any]] = []
 
     def __call__(self, body: dict[str, Any]) -> Reply:
@@ -44,6 +46,7 @@ class Model:
         system = body["messages"][0]["content"]
         if "title" in system or "标题" in system:
             self.title_requests.append(body)
+            self.title_arrivals.append(time.monotonic())
             return self.title
         self.summary_requests.append(body)
         return self.summary

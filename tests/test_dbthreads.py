@@ -29,7 +29,7 @@ async def test_blocked_database_threads_leave_the_loop_and_the_other_threads_run
         # Every thread held: the loop's timers still fire on time, the queued call waits.
         started = time.monotonic()
         await asyncio.sleep(0.05)
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 2  # the held threads wait 10 s
         assert not queued.done()
     finally:
         gate.set()

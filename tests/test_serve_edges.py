@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from sessions_app.management.edge import QuietSocket
 from tests.procs import ServeProcess, embedded_env, migrate_embedded
 
 pytestmark = pytest.mark.slow
@@ -173,3 +174,30 @@ def test_the_page_headers_are_not_doubled(served: ServeProcess) -> None:
     page = httpx.get(f"{served.base}/accounts/login/", timeout=10)
     assert len(page.headers.get_list("content-security-policy")) == 1
     assert len(page.headers.get_list("x-content-type-options")) == 1
+
+
+def test_a_socket_takes_its_factory_s_options_without_formatting_them(monkeypatch) -> None:
+    # covers: F3 (issue 57: a connect's CPU). Autobahn formats its options for a debug log on
+    # every connect; `QuietSocket` copies them first so that nothing is left to format. Fails if an
+    # autobahn upgrade stops reading `CONFIG_ATTRS` there (SPEC I2).
+    import autobahn.websocket.protocol as autobahn_protocol
+    from daphne.ws_protocol import WebSocketFactory
+    from twisted.internet.address import IPv4Address
+    from twisted.internet.testing import StringTransport
+
+    formatted: list[object] = []
+
+    def pformat(value: object) -> str:
+        formatted.append(value)
+        return ""
+
+    monkeypatch.setattr(autobahn_protocol, "pformat", pformat)
+    factory = WebSocketFactory(object(), server="Daphne")
+    factory.setProtocolOptions(autoPingTimeout=7, maxMessagePayloadSize=99, openHandshakeTimeout=0)
+    factory.protocol = QuietSocket
+    socket = factory.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5000))
+    socket.makeConnection(StringTransport(peerAddress=IPv4Address("TCP", "127.0.0.1", 5001)))
+    assert (socket.autoPingTimeout, socket.maxMessagePayloadSize) == (7, 99)
+    assert formatted == [[]]  # autobahn's loop found every option already copied
+    for name in autobahn_protocol.WebSocketServerProtocol.CONFIG_ATTRS:
+        assert getattr(socket, name) == getattr(factory, name), name

@@ -125,6 +125,12 @@ async def test_one_send_over_real_daphne(daphne: Server, fake_model: FakeModelSe
         await ws.send(json.dumps({"type": "sessions", "client_msg_id": "alive"}))
         assert (await next_frame(ws))["client_msg_id"] == "alive"
 
+        # Past Daphne's own limit (1 MiB, set on its socket factory): the server drops the
+        # connection, so each socket carries the options the server set on its factory.
+        await ws.send("z" * (2 * 1024 * 1024))
+        with pytest.raises(websockets.ConnectionClosed):
+            await next_frame(ws)
+
 
 async def test_unauthenticated_gets_4401_over_real_daphne(daphne: Server) -> None:
     # covers: F2

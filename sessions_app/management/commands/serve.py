@@ -27,7 +27,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from twisted.internet import defer, reactor
 
-from sessions_app.management.edge import BodyCapFactory, SecurityHeaders, body_cap
+from sessions_app.management.edge import BodyCapFactory, QuietSocket, SecurityHeaders, body_cap
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ MIN_WEBSOCKET_MESSAGE_SIZE = 1024 * 1024
 
 class _Server(daphne.server.Server):
     """Daphne's server, telling the command once it really listens; its HTTP requests refuse
-    a body over the cap before Django reads any (`edge.BodyCapFactory`, F3)."""
+    a body over the cap before Django reads any (`edge.BodyCapFactory`, F3); its sockets
+    are `edge.QuietSocket`s."""
 
     def __init__(self, *args: Any, on_listening: Any, body_cap: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -56,6 +57,16 @@ class _Server(daphne.server.Server):
     def http_factory(self, factory: Any) -> None:
         # Daphne's `run` makes its HTTP factory here; ours is the same with capped requests.
         self._http_factory = BodyCapFactory(self, self._body_cap)
+
+    @property
+    def ws_factory(self) -> Any:
+        return self._ws_factory
+
+    @ws_factory.setter
+    def ws_factory(self, factory: Any) -> None:
+        # Daphne's `run` makes its WebSocket factory here, then sets its options.
+        factory.protocol = QuietSocket
+        self._ws_factory = factory
 
     def listen_success(self, port: Any) -> None:
         super().listen_success(port)

@@ -200,6 +200,26 @@ async def test_a_models_own_context_window_trims_its_dialogs(
     assert small_last["max_tokens"] < 2000 < large_last["max_tokens"]
 
 
+async def test_each_dialog_is_counted_with_its_own_model_s_tokenizer(
+    api: Api, fake_model: FakeModelServer, settings: Any
+) -> None:
+    # covers: H4, C7. The default model ("fake") has no BPE tables here; a dialog on gpt-4o
+    # is counted with o200k's, which reads "words words ..." as one token a word where the
+    # heuristic reads 1.5. The same input then leaves that dialog more room for its answer.
+    settings.LLM = {**settings.LLM, "CONTEXT_WINDOWS": {"gpt-4o": 16_000, "small-model": 16_000}}
+    fake_model.models = ["fake", "gpt-4o", "small-model"]
+    bpe = await api.create(dialog_id="bpe")
+    guessed = await api.create(dialog_id="guessed")
+    for s, model in ((bpe, "gpt-4o"), (guessed, "small-model")):
+        await api.patch(f"/sessions/{s['session_id']}", {"model": model})
+        ack = await api.send(s["session_id"], "words " * 2000)
+        await api.turn_done(ack["turn_id"])
+    by_model = {body["model"]: body for body in turn_bodies(fake_model)}
+    # 2,000 words: about 2,000 tokens by o200k, 3,000 by the heuristic; with a quarter spare.
+    room = by_model["gpt-4o"]["max_tokens"] - by_model["small-model"]["max_tokens"]
+    assert 1000 <= room <= 1500, room
+
+
 # --- The WebSocket `settings` frame and slash commands ----------------------------------------
 
 

@@ -19,7 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,10 @@ class TokenCounter:
         return self.count_text(text) + MESSAGE_OVERHEAD + images * IMAGE_TOKENS
 
 
-@lru_cache(maxsize=8)
-def _bpe_encoder(model: str) -> Any | None:
+@lru_cache(maxsize=256)
+def _encoding_name(model: str) -> str | None:
+    """The BPE encoding of `model` (`o200k_base`, ...), None for a model `bpe-openai` does
+    not know. Bounded: the names come from the model catalog (H4)."""
     try:
         import bpe_openai
     except ImportError:
@@ -94,19 +96,34 @@ def _bpe_encoder(model: str) -> Any | None:
     # Gateways often prefix the vendor (`openai/gpt-4o-mini`).
     for name in dict.fromkeys((model, model.rsplit("/", 1)[-1])):
         try:
-            return bpe_openai.encoding_for_model(name)
+            return str(bpe_openai.encoding_name_for_model(name))
         except Exception:  # noqa: S112 - an unknown model: try the next name, then the heuristic
             continue
     return None
 
 
-def counter_for_model(model: str) -> TokenCounter:
-    """The BPE counter of a known model, else the heuristic (documented in README)."""
-    encoder = _bpe_encoder(model)
-    if encoder is None:
-        return TokenCounter("heuristic", heuristic_count)
-    logger.debug("token counts for %s use %s", model, encoder.name)
+@cache  # one per encoding (a handful), shared by every model using it
+def _counter_for_encoding(name: str) -> TokenCounter | None:
+    import bpe_openai
+
+    try:
+        encoder = bpe_openai.get_encoding(name)
+    except Exception:  # tables that do not load: logged once, the heuristic counts instead
+        logger.exception("the %s tables did not load; token counts use the heuristic", name)
+        return None
     return TokenCounter(f"bpe:{encoder.name}", lambda text: len(encoder.encode_ordinary(text)))
+
+
+_HEURISTIC = TokenCounter("heuristic", heuristic_count)
+
+
+def counter_for_model(model: str) -> TokenCounter:
+    """The BPE counter of a known model, else the heuristic (documented in README). Models of
+    one encoding share its counter (its tables are loaded once, on first use: call this off
+    the event loop), so the token cache's counts, keyed by the counter's name, serve them all."""
+    name = _encoding_name(model)
+    counter = _counter_for_encoding(name) if name is not None else None
+    return counter or _HEURISTIC
 
 
 class TokenCache:

@@ -141,10 +141,16 @@ class TurnInputBuilder:
 
     @property
     def counter(self) -> TokenCounter:
-        """Resolved on first use, in a worker thread (loading the BPE tables takes a while)."""
-        if self._counter is None:
-            self._counter = counter_for_model(settings.LLM["MODEL"])
-        return self._counter
+        """The default model's counter (`counter_for`)."""
+        return self.counter_for(None)
+
+    def counter_for(self, model: str | None) -> TokenCounter:
+        """C7, H4: the token counter of the dialog's model (None: the default model), the one
+        given to this builder when it was (tests). Its tables load on first use: call this in
+        a worker thread, as the builds and the runner's counts do."""
+        if self._counter is not None:
+            return self._counter
+        return counter_for_model(model or settings.LLM["MODEL"])
 
     def window_of(self, session: Session) -> int:
         """H4: the context window of the dialog's model (`LLM_CONTEXT_WINDOWS`), else this
@@ -345,7 +351,7 @@ class TurnInputBuilder:
                 }
             )
 
-        counter, cache = self.counter, self.token_cache
+        counter, cache = self.counter_for(session.model), self.token_cache
         name = counter.name
 
         def count(it: Item) -> int:
@@ -372,7 +378,7 @@ class TurnInputBuilder:
             start, total = window.dropped, head_total + window.kept
         else:
             items, start, total, plain = self._walk(
-                history, pending, through, exclude_turn_partials, budget, head_total, count
+                history, pending, through, exclude_turn_partials, budget, head_total, count, name
             )
             body = [it.data for it in items[start:]]
             jsons = None
@@ -426,6 +432,7 @@ class TurnInputBuilder:
         budget: int,
         head_total: int,
         count: Any,
+        name: str,
     ) -> tuple[list[Item], int, int, bool]:
         """The model input's items from the stored `history` and this turn's `pending`
         messages, the first one the budget keeps, the tokens of the head and of what it
@@ -475,7 +482,6 @@ class TurnInputBuilder:
             counts[i] = count(items[i])
             total += counts[i]
         start = keep
-        name = self.counter.name
         while start > 0:
             it = items[start - 1]
             # A message counted before (the usual case) at the cost of a lookup.

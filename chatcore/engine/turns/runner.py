@@ -487,9 +487,9 @@ class TurnRunner:
         if not self._uncounted:
             return
         items, self._uncounted = self._uncounted, []
-        counter = self.builder.counter
+        builder, model = self.builder, self.model  # C7: the dialog's model's tokenizer
         self.input_tokens += await asyncio.to_thread(
-            lambda: sum(counter.count_message(item) for item in items)
+            lambda: sum(builder.counter_for(model).count_message(item) for item in items)
         )
 
     def _add_usage(self, usage: dict[str, Any]) -> None:

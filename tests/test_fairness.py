@@ -486,7 +486,11 @@ async def test_model_calls_of_a_process_are_bounded(
     acks = [await send(engine, d, f"hello {i}") for i, d in enumerate(dialogs)]
     await fake_model.requests_made(2)
     await asyncio.sleep(0.5)  # room for a third call, if the bound leaked
-    assert len(fake_model.requests) == 2
+    seen = [
+        (r.messages[-1]["content"], r.aborted.is_set(), r.finished.is_set())
+        for r in fake_model.requests
+    ]
+    assert len(seen) == 2, seen  # (what it asked, whether the client left, whether it ended)
     gate.set()
     for rec, ack in zip(recs, acks, strict=True):
         done = await terminals(rec, [ack.turn_id])

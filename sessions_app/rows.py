@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,10 @@ from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Field, GeneratedField, Model
+from django.db.models.base import ModelState
+from django.db.models.fields.related_descriptors import ForeignKeyDeferredAttribute
+from django.db.models.query_utils import DeferredAttribute
+from django.db.models.signals import post_init, pre_init
 
 M = TypeVar("M", bound=Model)
 
@@ -367,9 +372,38 @@ def _attnames(model: type[Model]) -> tuple[str, ...]:
     return tuple(f.attname for f in _fields(model))
 
 
+# The descriptors a plain model's concrete fields have: they read and write the value kept
+# under the field's attname in the instance's `__dict__`, and nothing else for a new instance.
+_PLAIN_DESCRIPTORS = (DeferredAttribute, ForeignKeyDeferredAttribute)
+
+
+@functools.cache
+def _plain(model: type[Model]) -> bool:
+    """Whether `Model.__init__` would do no more for a row of `model` than put each value in
+    the instance's `__dict__` under a `ModelState` (and send `pre_init` and `post_init`): the
+    model keeps Django's `__init__`, `from_db` and `__setattr__`, and each concrete field's
+    attribute is Django's plain descriptor (a foreign key's id included; a file or image
+    field, whose descriptor does more, is not plain)."""
+    if (
+        model.__init__ is not Model.__init__
+        or model.__setattr__ is not Model.__setattr__
+        or getattr(model.from_db, "__func__", None) is not Model.from_db.__func__  # type: ignore[attr-defined]
+    ):
+        return False
+    return all(
+        type(inspect.getattr_static(model, f.attname, None)) in _PLAIN_DESCRIPTORS
+        for f in _fields(model)
+    )
+
+
 def from_row(model: type[M], row: Sequence[Any]) -> M:
     """A `model` instance from the first columns of `row` (selected with `columns`), made as
-    the ORM makes one (`Model.from_db`); the columns after those are the caller's."""
+    the ORM makes one (`Model.from_db`); the columns after those are the caller's.
+
+    For a plain model (`_plain`) whose `pre_init` and `post_init` nobody listens to, the
+    values go straight into the instance's `__dict__`, as `Model.__init__` would put them
+    there one `setattr` at a time: half of a message's making on PostgreSQL (issue 57, a
+    fresh storm's pages). Anything else goes through `from_db`."""
     conn = connections[DEFAULT_DB_ALIAS]
     values = list(row[: len(model._meta.concrete_fields)])
     for i, found, col in _converters(model, conn.vendor):
@@ -377,4 +411,11 @@ def from_row(model: type[M], row: Sequence[Any]) -> M:
         for convert in found:
             value = convert(value, col, conn)
         values[i] = value
-    return model.from_db(conn.alias, _attnames(model), values)
+    if not _plain(model) or pre_init.has_listeners(model) or post_init.has_listeners(model):
+        return model.from_db(conn.alias, _attnames(model), values)
+    obj = model.__new__(model)
+    state = ModelState()
+    state.adding, state.db = False, conn.alias
+    obj._state = state
+    obj.__dict__.update(zip(_attnames(model), values, strict=True))
+    return obj

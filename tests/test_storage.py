@@ -673,6 +673,42 @@ def test_rows_written_in_one_statement_read_back_as_the_orm_wrote_them(user):
     assert Message.objects.filter(session=session, seq__gte=100).count() == 3
 
 
+def test_rows_read_in_sql_send_the_init_signals_to_whoever_listens(user):
+    # covers: A3 (a row made without `Model.__init__` is still one a listener of the model's
+    # `pre_init` / `post_init` hears about, as it hears of the ORM's)
+    from django.db.models.signals import post_init, pre_init
+
+    from sessions_app.selectors import messages_for_context
+
+    session = create(user)
+    for seq in (100, 101):
+        Message.objects.create(session=session, seq=seq, role=Role.USER, content=f"m{seq}")
+    heard: list[tuple[str, Any]] = []
+
+    def before(sender: Any, **kwargs: Any) -> None:
+        heard.append(("pre", sender))
+
+    def after(sender: Any, instance: Any, **kwargs: Any) -> None:
+        heard.append(("post", instance.content))
+
+    quiet = messages_for_context(session_pk=session.pk, after_seq=99)
+    assert [m.content for m in quiet] == ["m100", "m101"] and heard == []
+    pre_init.connect(before, sender=Message)
+    post_init.connect(after, sender=Message)
+    try:
+        read = messages_for_context(session_pk=session.pk, after_seq=99)
+    finally:
+        pre_init.disconnect(before, sender=Message)
+        post_init.disconnect(after, sender=Message)
+    assert [m.content for m in read] == ["m100", "m101"]
+    assert heard == [("pre", Message), ("post", "m100"), ("pre", Message), ("post", "m101")]
+    for fast, slow in zip(quiet, read, strict=True):
+        assert vars(fast).keys() == vars(slow).keys()
+        assert {k: v for k, v in vars(fast).items() if k != "_state"} == {
+            k: v for k, v in vars(slow).items() if k != "_state"
+        }
+
+
 def test_values_the_orm_would_convert_are_written_converted_in_one_statement(user):
     # covers: A3, G6 (a value given in another type than its field's, or a naive time, is
     # stored as the ORM stores it, not passed through as it is)

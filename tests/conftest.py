@@ -130,6 +130,19 @@ def other_user(make_user: Callable[..., Any]) -> Any:
     return make_user("bob")
 
 
+@pytest.fixture
+def within_a_minute(monkeypatch: pytest.MonkeyPatch) -> float:
+    """The per-minute budgets' clock (`chatcore.engine.rates`) held 20 s into a minute, so a
+    test of a budget never has its requests counted in two minutes; the time it holds."""
+    import types
+
+    from chatcore.engine import rates
+
+    held = 1_800_000_000.0 - 40
+    monkeypatch.setattr(rates, "time", types.SimpleNamespace(time=lambda: held))
+    return held
+
+
 # --- Engine fixtures ----------------------------------------------------------------------
 
 import asyncio  # noqa: E402

@@ -172,6 +172,7 @@ async def test_body_guard_follows_djangos_upload_limit(api: Api) -> None:
     assert await sync_to_async(Turn.objects.count)() == 0
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_rate_limit_is_429_with_retry_after(api: Api, make_engine: Any) -> None:
     # covers: F3
     s = await api.create(dialog_id="rl")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.core.management import CommandError, call_command
 from django.test import Client
 from django.urls import reverse
@@ -93,7 +94,7 @@ def test_operators_see_and_revoke_share_links(client: Client, make_user: Any) ->
     assert response.status_code == 200
     assert [s.pk for s in response.context["cl"].result_list] == [share.pk]
     response = client.post(
-        reverse("admin:sessions_app_share_delete", args=[share.pk]), {"post": "yes"}
+        reverse("admin:sessions_app_share_delete", args=[quote(share.pk)]), {"post": "yes"}
     )
     assert response.status_code == 302
     assert not Share.objects.filter(pk=share.pk).exists()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.core.management import call_command
 from django.test import Client
 from django.urls import reverse
@@ -62,7 +63,10 @@ def test_operator_revoke_and_command_import_are_recorded(
     frank = make_user("frank")
     session = dialog_with(frank, "q", "a")
     share = shares.share_create(owner=frank, session=session)
-    client.post(reverse("admin:sessions_app_share_delete", args=[share.pk]), {"post": "yes"})
+    # The admin's URLs carry a key quoted (`quote`: a share's id may hold "_24", which the
+    # admin reads as "$").
+    url = reverse("admin:sessions_app_share_delete", args=[quote(share.pk)])
+    assert client.post(url, {"post": "yes"}).status_code == 302
     assert _records("share.revoke") == [("operator", "share", share.pk)]
 
     path = tmp_path / "conversations.json"

@@ -194,6 +194,7 @@ async def test_queue_capacity_and_global_bound(make_engine, fake_model, user):
     await engine.stop(session)
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_rate_limit_per_user(make_engine, fake_model, user):
     # covers: F3
     from django.core.cache import cache

@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.both_dbs]
 # --- Item 3: budgets -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_rest_writes_have_their_own_budget(engine: Any, make_engine: Any, user: Any) -> None:
     # covers: F7 (create, rename, delete: 429 rate_limited with Retry-After past the budget)
     await sync_to_async(cache.clear)()
@@ -51,6 +52,7 @@ async def test_rest_writes_have_their_own_budget(engine: Any, make_engine: Any, 
     await sync_to_async(cache.clear)()
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_rest_compact_and_retry_are_charged_to_the_send_rate(
     engine: Any, make_engine: Any, fake_model: Any, user: Any
 ) -> None:
@@ -73,6 +75,7 @@ async def test_rest_compact_and_retry_are_charged_to_the_send_rate(
     await sync_to_async(cache.clear)()
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_ws_commands_use_the_write_budget_and_stop_is_never_refused(
     engine: Any, make_engine: Any, user: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,6 +113,7 @@ async def test_ws_commands_use_the_write_budget_and_stop_is_never_refused(
     await sync_to_async(cache.clear)()
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_ws_retry_and_compact_are_charged_to_the_send_rate(
     engine: Any, make_engine: Any, fake_model: Any, user: Any
 ) -> None:

@@ -202,6 +202,7 @@ async def engine_with(make_engine: Callable[..., Any]) -> AsyncIterator[Callable
     runtime.set_engine(None)
 
 
+@pytest.mark.usefixtures("within_a_minute")
 async def test_rate_limited(engine_with: Any, make_user: Any, fake_model: Any) -> None:
     # covers: F3
     await sync_to_async(cache.clear)()

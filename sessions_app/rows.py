@@ -402,7 +402,7 @@ def from_row(model: type[M], row: Sequence[Any]) -> M:
 
     For a plain model (`_plain`) whose `pre_init` and `post_init` nobody listens to, the
     values go straight into the instance's `__dict__`, as `Model.__init__` would put them
-    there one `setattr` at a time: half of a message's making on PostgreSQL (issue 57, a
+    there one `setattr` at a time: 40% of a message's making on PostgreSQL (issue 57, a
     fresh storm's pages). Anything else goes through `from_db`."""
     conn = connections[DEFAULT_DB_ALIAS]
     values = list(row[: len(model._meta.concrete_fields)])

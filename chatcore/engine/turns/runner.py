@@ -487,10 +487,13 @@ class TurnRunner:
         if not self._uncounted:
             return
         items, self._uncounted = self._uncounted, []
-        builder, model = self.builder, self.model  # C7: the dialog's model's tokenizer
-        self.input_tokens += await asyncio.to_thread(
-            lambda: sum(builder.counter_for(model).count_message(item) for item in items)
-        )
+        builder, model = self.builder, self.model
+
+        def count() -> int:
+            counter = builder.counter_for(model)  # C7: the dialog's model's tokenizer
+            return sum(counter.count_message(item) for item in items)
+
+        self.input_tokens += await asyncio.to_thread(count)
 
     def _add_usage(self, usage: dict[str, Any]) -> None:
         merge_usage(self.usage, usage)
